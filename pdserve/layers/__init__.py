@@ -1,0 +1,1 @@
+"""Model building blocks: TP-shardable linears, norms, rotary embeddings, paged attention, sampling."""

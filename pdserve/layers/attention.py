@@ -1,0 +1,42 @@
+"""Attention over the paged KV cache, and the per-step metadata every attention layer reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import pdserve_kernels as ops
+
+
+@dataclass
+class AttentionMetadata:
+    """Where a step's new tokens go in the cache and what each sequence attends to.
+
+    Tokens are flattened; sequence i owns tokens `query_start_loc[i]:query_start_loc[i+1]` and,
+    after this step, `context_lens[i]` cached tokens reachable through `block_tables[i]`.
+    """
+
+    query_start_loc: list[int]
+    context_lens: list[int]
+    block_tables: torch.Tensor  # int64 [num_seqs, max_blocks], padded with block 0
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    kv_caches: list[dict[str, torch.Tensor]]  # per layer: cache tensor name → [blocks, block_size, ...]
+
+
+class Attention(nn.Module):
+    """Stores this step's k/v in the paged cache of layer `layer_idx`, then attends."""
+
+    def __init__(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        cache = meta.kv_caches[self.layer_idx]
+        ops.store_kv(cache["k"], cache["v"], k, v, meta.slot_mapping)
+        out = ops.paged_attention(q, cache["k"], cache["v"], meta.query_start_loc,
+                                  meta.context_lens, meta.block_tables, self.scale)
+        return out.flatten(1)

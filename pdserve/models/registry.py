@@ -1,0 +1,61 @@
+"""config.json `architectures` → model class, and model construction + weight loading."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pdserve.distributed import TPGroup
+
+from .llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(hf_config: dict) -> type[nn.Module]:
+    for arch in hf_config.get("architectures") or []:
+        if arch in ARCHITECTURES:
+            return ARCHITECTURES[arch]
+    raise ValueError(f"unsupported architecture {hf_config.get('architectures')}; "
+                     f"pdserve supports {sorted(ARCHITECTURES)}")
+
+
+def read_config(model_dir: str | Path) -> dict:
+    return json.loads((Path(model_dir) / "config.json").read_text())
+
+
+def eos_token_ids(model_dir: str | Path) -> frozenset[int]:
+    """Token ids that end generation: config.json's and generation_config.json's eos_token_id."""
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        path = Path(model_dir) / name
+        if path.exists():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               tp: TPGroup = TPGroup()) -> nn.Module:
+    """Build the model of `model_dir/config.json` and load its weights (this rank's slices only)."""
+    from pdserve.weights import WeightSource
+
+    hf_config = read_config(model_dir)
+    cls = model_class(hf_config)
+    with torch.device(device):
+        model = cls(hf_config, tp)
+    model.to(dtype)
+    model.load_weights(WeightSource(model_dir))
+    model.eval()
+    logger.info("loaded %s from %s (%s, %s, tp %d/%d)", cls.__name__, model_dir, dtype, device,
+                tp.rank, tp.size)
+    return model

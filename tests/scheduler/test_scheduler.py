@@ -1,0 +1,99 @@
+"""Scheduler: planning is pure, chunked prefill respects the budget, aborts work in every phase."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvcache import BlockAllocator
+from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig
+from pdserve.scheduler.plan import SampledToken
+
+
+def make(num_blocks=16, budget=8, max_seqs=4) -> Scheduler:
+    return Scheduler(SchedulerConfig(block_size=4, max_num_seqs=max_seqs, max_num_batched_tokens=budget,
+                                     max_model_len=64), BlockAllocator(num_blocks), frozenset({2}))
+
+
+def req(rid: str, n: int, max_tokens: int = 4) -> NewRequest:
+    return NewRequest(rid, list(range(10, 10 + n)), SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+def snapshot(s: Scheduler):
+    return ([(q.request_id, q.num_computed, list(q.block_table), list(q.output_ids)) for q in s.waiting],
+            [(q.request_id, q.num_computed, list(q.block_table), list(q.output_ids)) for q in s.running],
+            s.allocator.num_free)
+
+
+def test_plan_does_not_change_state():
+    s = make()
+    s.apply(s.plan(0, Inbox(new=[req("a", 6), req("b", 3)]), []))
+    before = snapshot(s)
+    s.plan(1, Inbox(new=[req("c", 5)], aborts=[("a", "abort")]), [SampledToken("b", 7)])
+    assert snapshot(s) == before
+
+
+def test_chunked_prefill_stays_within_the_token_budget():
+    s = make(budget=8)
+    plan = s.plan(0, Inbox(new=[req("a", 20), req("b", 5)]), [])
+    assert sum(c.num_tokens for c in plan.batch) <= 8
+    assert plan.batch[0].num_tokens == 8  # the first prompt is chunked
+    outputs, batch = s.apply(plan)
+    assert [(q.request_id, start, n) for q, start, n in batch] == [("a", 0, 8)]
+
+
+def run_steps(s: Scheduler, n: int, first_step: int = 0) -> list[SampledToken]:
+    """Apply n plans, feeding back a fixed token for every sequence that reached its end."""
+    sampled: list[SampledToken] = []
+    for i in range(n):
+        _, batch = s.apply(s.plan(first_step + i, Inbox(), sampled))
+        sampled = [SampledToken(q.request_id, 5) for q, start, n in batch if start + n == q.num_tokens]
+    return sampled
+
+
+@pytest.mark.parametrize("phase", ["waiting", "prefilling", "decoding"])
+def test_abort_frees_blocks_in_every_phase(phase):
+    s = make(budget=8, max_seqs=1 if phase == "waiting" else 4)
+    s.apply(s.plan(0, Inbox(new=[req("busy", 4, max_tokens=50), req("a", 12)]), []))
+    sampled = run_steps(s, {"waiting": 2, "prefilling": 0, "decoding": 3}[phase], first_step=1)
+    a = s.seqs["a"]
+    assert {"waiting": a.num_computed == 0, "prefilling": 0 < a.num_computed < 12,
+            "decoding": a.output_ids != []}[phase], (phase, a)
+    outputs, _ = s.apply(s.plan(10, Inbox(aborts=[("a", "abort"), ("nope", "abort")]), sampled))
+    assert ("a", "abort") in [(o.request_id, o.finish_reason) for o in outputs]
+    assert "a" not in s.seqs
+    s.allocator.check_integrity()
+    assert s.allocator.num_used == len(s.seqs["busy"].block_table)
+
+
+def test_preemption_when_blocks_run_out():
+    s = make(num_blocks=6, budget=32)
+    plan = s.plan(0, Inbox(new=[req("a", 8, 40), req("b", 8, 40), req("c", 7, 40)]), [])
+    _, batch = s.apply(plan)
+    sampled = [SampledToken(q.request_id, 5) for q, start, n in batch if start + n == q.num_tokens]
+    preempted = []
+    for step in range(1, 30):
+        plan = s.plan(step, Inbox(), sampled)
+        preempted += plan.preempted
+        _, batch = s.apply(plan)
+        s.allocator.check_integrity()
+        sampled = [SampledToken(q.request_id, 5) for q, start, n in batch if start + n == q.num_tokens]
+    assert preempted  # 3 requests of up to 48 tokens cannot share 6 blocks of 4
+
+
+def test_duplicate_and_oversized_requests_are_rejected():
+    s = make(num_blocks=4)
+    s.apply(s.plan(0, Inbox(new=[req("a", 3)]), []))
+    plan = s.plan(1, Inbox(new=[req("a", 3), req("big", 40), NewRequest("empty", [], SamplingParams())]), [])
+    assert [r for r, _ in plan.rejected] == ["a", "big", "empty"]
+    outputs, _ = s.apply(plan)
+    assert {o.request_id for o in outputs if o.finish_reason == "error"} == {"a", "big", "empty"}
+    assert "a" in s.seqs  # the first request with that id is untouched
+
+
+def test_plan_is_deterministic():
+    s1 = make()
+    s2 = copy.deepcopy(s1)
+    inbox = Inbox(new=[req("a", 9), req("b", 2)])
+    assert s1.plan(0, inbox, []) == s2.plan(0, inbox, [])
