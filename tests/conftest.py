@@ -1,8 +1,18 @@
-"""Shared fixtures: a tiny random Llama model directory and the converted default model."""
+"""Shared fixtures: a tiny random Llama model directory, the converted default model, and a
+reference helper that runs a model over a paged cache without the scheduler."""
 from __future__ import annotations
 
 import pytest
 import torch
+
+from pdserve.engine.model_runner import ModelRunner
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
+from pdserve.kvcache import BlockAllocator, KVPool
+
+# Two cores shared by the test process and the workers it starts: OpenMP teams of 2 threads
+# slow every matmul by an order of magnitude when another process is busy.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
@@ -25,3 +35,27 @@ def default_model_dir() -> str:
     from pdserve.weights import resolve_model_path
 
     return str(resolve_model_path(None))
+
+
+@pytest.fixture(scope="session")
+def all_logits():
+    return _all_logits
+
+
+def _all_logits(model: torch.nn.Module, ids: list[int], chunk: int | None = None, block_size: int = 4
+               ) -> torch.Tensor:
+    """Logits at every position of `ids`, computed in chunks of `chunk` tokens through the cache."""
+    specs = model.cache_spec(torch.float32)
+    n_blocks = -(-len(ids) // block_size) + 1
+    pool = KVPool(model.num_layers, specs, n_blocks, block_size)
+    runner = ModelRunner(model, pool)
+    seq = Sequence("r", list(ids), SamplingParams())
+    seq.block_table = BlockAllocator(n_blocks).allocate(n_blocks)
+    chunk = chunk or len(ids)
+    out = []
+    with torch.inference_mode():
+        for start in range(0, len(ids), chunk):
+            n = min(chunk, len(ids) - start)
+            tok, pos, meta = runner.metadata([(seq, start, n)])
+            out.append(model.compute_logits(model(tok, pos, meta)))
+    return torch.cat(out)

@@ -18,6 +18,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512   # chunked-prefill token budget per step
     max_model_len: int | None = None    # default: the model's max_position_embeddings
+    threads: int = 0                    # torch CPU threads (0: torch's default)
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -30,6 +30,9 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        if config.threads:
+            # on a small CPU shared by several workers, one thread each beats contended OpenMP teams
+            torch.set_num_threads(config.threads)
         self.model_dir = resolve_model_path(config.model)
         hf_config = read_config(self.model_dir)
         dtype = config.torch_dtype()

@@ -48,6 +48,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.seqs: dict[str, Sequence] = {}
+        self.num_preemptions = 0
 
     # ---- rank 0: decide -------------------------------------------------------------------
 
@@ -178,6 +179,7 @@ class Scheduler:
             seq.num_computed = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
+            self.num_preemptions += 1
             logger.info("request %s preempted (recompute later)", rid)
         batch = []
         for chunk in plan.batch:

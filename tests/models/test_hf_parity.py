@@ -7,8 +7,6 @@ import transformers
 
 from pdserve.models import load_model
 
-from .helpers import all_logits
-
 COMMON = dict(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
@@ -32,7 +30,7 @@ def make_model(tmp_path, name: str) -> str:
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_logits_match_transformers(tmp_path, name):
+def test_logits_match_transformers(tmp_path, name, all_logits):
     path = make_model(tmp_path, name)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.randint(0, 300, (70,), generator=torch.Generator().manual_seed(1)).tolist()
@@ -43,7 +41,7 @@ def test_logits_match_transformers(tmp_path, name):
     assert torch.allclose(ours, ref, atol=1e-4, rtol=0)
 
 
-def test_chunked_prefill_equals_one_pass(tmp_path):
+def test_chunked_prefill_equals_one_pass(tmp_path, all_logits):
     """Computing the prompt in chunks through the paged cache gives the same logits."""
     model = load_model(make_model(tmp_path, "qwen2"))
     ids = list(range(5, 62))

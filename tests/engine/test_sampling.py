@@ -1,0 +1,106 @@
+"""Sampling: seeds repeat, top_k=1 is greedy, penalties and masks do what they say."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampler import sample
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import Sequence
+
+PROMPTS = [[5, 17, 99, 4], [200, 3, 3, 8, 61, 7, 12], [42] * 9]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama_dir):
+    return LLMEngine(EngineConfig(model=tiny_llama_dir, block_size=4))
+
+
+def run(engine: LLMEngine, params: list[SamplingParams], prompts=PROMPTS) -> list[list[int]]:
+    for i, (p, prm) in enumerate(zip(prompts, params)):
+        engine.add_request(f"s{i}", p, prm)
+    out: dict[str, list[int]] = {f"s{i}": [] for i in range(len(prompts))}
+    for o in engine.run_until_done():
+        if o.token_id is not None:
+            out[o.request_id].append(o.token_id)
+    return [out[f"s{i}"] for i in range(len(prompts))]
+
+
+def test_seeded_runs_repeat_exactly(engine):
+    params = lambda: [SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True) for s in (1, 2, 3)]
+    first, second = run(engine, params()), run(engine, params())
+    assert first == second
+    assert len({tuple(x) for x in first}) > 1  # different seeds differ
+
+
+def test_seeded_run_is_independent_of_batch_neighbours(engine):
+    p = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=10, ignore_eos=True)
+    alone = run(engine, [p], PROMPTS[:1])
+    together = run(engine, [p, SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True),
+                            SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)])
+    assert together[0] == alone[0]
+
+
+def test_top_k_1_equals_greedy(engine):
+    greedy = run(engine, [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * 3)
+    topk1 = run(engine, [SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True)] * 3)
+    assert greedy == topk1
+
+
+def test_max_tokens_and_min_tokens(engine):
+    out = run(engine, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (1, 5, 9)])
+    assert [len(x) for x in out] == [1, 5, 9]
+
+
+def test_stop_token_ids_end_generation(engine):
+    free = run(engine, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)], PROMPTS[:1])[0]
+    stop = free[3]
+    cut = run(engine, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop])],
+              PROMPTS[:1])[0]
+    assert cut == free[:free.index(stop) + 1]
+    held = run(engine, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop],
+                                       min_tokens=8)], PROMPTS[:1])[0]
+    assert len(held) == 8 and stop not in held  # min_tokens masks the stop token
+
+
+def seq_with(params: SamplingParams, prompt=(1, 2), output=()) -> Sequence:
+    s = Sequence("x", list(prompt), params, frozenset({0}))
+    s.output_ids = list(output)
+    return s
+
+
+def test_logit_bias_and_penalties():
+    logits = torch.zeros(1, 10)
+    logits[0, 3], logits[0, 4] = 1.0, 0.5
+    (tok, _), = sample(logits, [seq_with(SamplingParams(temperature=0, logit_bias={7: 5.0}))])
+    assert tok == 7
+    (tok, _), = sample(logits, [seq_with(SamplingParams(temperature=0, presence_penalty=2.0), output=[3])])
+    assert tok != 3
+    (tok, _), = sample(logits, [seq_with(SamplingParams(temperature=0, repetition_penalty=10.0), prompt=[3])])
+    assert tok == 4  # 1.0 / 10 falls below 0.5
+    (tok, _), = sample(logits, [seq_with(SamplingParams(temperature=0, frequency_penalty=0.25), output=[3])])
+    assert tok == 3  # 1 - 0.25 still beats 0.5
+
+
+def test_logprobs_top_n():
+    logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]]))
+    (tok, lp), = sample(logits, [seq_with(SamplingParams(temperature=0, logprobs=2))])
+    assert tok == 1
+    assert lp.logprob == pytest.approx(torch.log(torch.tensor(0.6)).item(), abs=1e-6)
+    assert [t for t, _ in lp.top] == [1, 2]
+
+
+def test_min_p_and_top_p_cut_the_tail():
+    logits = torch.log(torch.tensor([[0.5, 0.45, 0.05]]))
+    for params in (SamplingParams(top_p=0.5, seed=0), SamplingParams(min_p=0.2, seed=0)):
+        toks = {sample(logits, [seq_with(params)])[0][0] for _ in range(50)}
+        assert 2 not in toks
+
+
+def test_invalid_params_are_refused(engine):
+    for bad in (SamplingParams(temperature=-1), SamplingParams(top_p=0), SamplingParams(max_tokens=0),
+                SamplingParams(min_tokens=5, max_tokens=2), SamplingParams(top_k=-2)):
+        with pytest.raises(ValueError):
+            engine.add_request("bad", [1, 2], bad)
