@@ -72,6 +72,12 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    from pdserve.worker.main import run_worker
+
+    return run_worker(args, args.role, engine_config(args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR (logs go to stderr)")
@@ -88,6 +94,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None, help="seed for reproducible sampling")
     g.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
     g.set_defaults(func=cmd_generate)
+
+    from pdserve.worker.main import add_worker_args
+
+    for role, text in (("prefill", "a prefill worker: prefills and sends the KV to decode workers"),
+                       ("decode", "a decode worker: receives the KV from prefill workers and decodes"),
+                       ("worker", "a worker of any role (--role prefill | decode | both)")):
+        w = sub.add_parser(role, help=text)
+        add_engine_args(w)
+        add_worker_args(w)
+        if role == "worker":
+            w.add_argument("--role", choices=["prefill", "decode", "both"], default="both",
+                           help="both: prefill and decode here, no KV transfer (colocated)")
+            w.set_defaults(func=cmd_worker)
+        else:
+            w.set_defaults(func=cmd_worker, role=role)
 
     c = sub.add_parser("convert", help="convert a checkpoint into a Hugging Face model directory")
     csub = c.add_subparsers(dest="format", required=True)

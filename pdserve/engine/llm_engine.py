@@ -19,16 +19,24 @@ from pdserve.scheduler.plan import SampledToken
 from pdserve.weights import resolve_model_path
 
 from .config import EngineConfig
+from .kv_link import KVLink
 from .model_runner import ModelRunner
 from .sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-class LLMEngine:
-    """Continuous-batching engine over one model, on token ids; thread-safe `add_request` / `abort`."""
+ABORT_TOMBSTONE_TTL_S = 300.0
 
-    def __init__(self, config: EngineConfig):
+
+class LLMEngine:
+    """Continuous-batching engine over one model, on token ids; thread-safe `add_request` / `abort`.
+
+    `kv_role` is "local" (prefill and decode here), "prefill" or "decode" (PD roles: the KV
+    travels through `attach_transfer`'s agent).
+    """
+
+    def __init__(self, config: EngineConfig, kv_role: str = "local"):
         self.config = config
         if config.threads:
             # on a small CPU shared by several workers, one thread each beats contended OpenMP teams
@@ -47,13 +55,24 @@ class LLMEngine:
             SchedulerConfig(config.block_size, config.max_num_seqs, config.max_num_batched_tokens, max_len),
             self.allocator, eos_token_ids(self.model_dir))
         self.runner = ModelRunner(self.model, self.pool, config.device)
+        self.kv_role = kv_role
+        self.link: KVLink | None = None
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._sampled: list[SampledToken] = []
+        self._aborted: dict[str, float] = {}  # recent aborts: a late add of the same id is refused
         self._step = 0
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def attach_transfer(self, agent, rank: int = 0) -> None:
+        """Use a transfer agent over this engine's pool (a target for decode, a source for prefill)."""
+        self.link = KVLink(agent, rank)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                    peer: dict | None = None) -> None:
+        """Queue a request. PD roles pass `peer`: decode {"worker_id"} of the prefill worker;
+        prefill {"bootstrap": [per-rank info], "blocks": [decode block ids]}."""
         params.validate()
-        self._inbox.put(NewRequest(request_id, list(prompt_ids), params, time.monotonic()))
+        self._inbox.put(NewRequest(request_id, list(prompt_ids), params, time.monotonic(),
+                                   kv=self.kv_role, peer=peer))
 
     def abort(self, request_id: str, reason: str = "abort") -> None:
         """Abort at any moment (waiting, prefilling, decoding); unknown ids are ignored."""
@@ -61,20 +80,33 @@ class LLMEngine:
 
     def _drain(self) -> Inbox:
         inbox = Inbox()
+        now = time.monotonic()
         while True:
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
-                return inbox
+                break
             if isinstance(item, NewRequest):
                 inbox.new.append(item)
+                if item.request_id in self._aborted:  # the abort overtook the request
+                    inbox.aborts.append((item.request_id, "abort"))
             else:
                 inbox.aborts.append(item)
+                self._aborted[item[0]] = now
+        if len(self._aborted) > 1024:
+            self._aborted = {k: t for k, t in self._aborted.items() if now - t < ABORT_TOMBSTONE_TTL_S}
+        return inbox
 
     def step(self) -> list[StepOutput]:
         """One iteration: observe → plan → apply → run. Returns what requests produced."""
-        plan = self.scheduler.plan(self._step, self._drain(), self._sampled)
+        inbox = self._drain()
+        transfers = self.link.observe() if self.link else []
+        plan = self.scheduler.plan(self._step, inbox, self._sampled, transfers)
+        for req in plan.deferred:  # a decode room waits for blocks; try again next step
+            self._inbox.put(req)
         outputs, batch = self.scheduler.apply(plan)
+        if self.link:
+            self.link.act(plan, outputs, self.scheduler.held)
         self._sampled = self.runner.run(batch)
         self._step += 1
         return outputs

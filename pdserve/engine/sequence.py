@@ -12,6 +12,7 @@ from .sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"    # queued, or preempted (its cache dropped, to be recomputed)
     RUNNING = "running"    # holds blocks, is prefilling or decoding
+    HELD = "held"          # holds blocks for a KV transfer (decode: arriving; prefill: leaving)
     FINISHED = "finished"
 
 
@@ -41,6 +42,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     generator: torch.Generator | None = None
+    kv: str = "local"  # "local" | "prefill" | "decode" (see scheduler.plan.NewRequest)
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
@@ -62,6 +64,8 @@ class Sequence:
     def stop_reason(self, token: int, num_outputs: int) -> str | None:
         """Why generation ends once `token` is the `num_outputs`-th output ("stop" / "length")."""
         n = num_outputs
+        if self.kv == "prefill":
+            return "prefilled"  # the first token travels with the KV to the decode worker
         if n >= self.params.min_tokens:
             if not self.params.ignore_eos and token in self.eos_token_ids:
                 return "stop"

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.kvcache import BlockAllocator
 
-from .plan import Inbox, NewRequest, SampledToken, ScheduledChunk, StepOutput, StepPlan
+from .plan import (Inbox, NewRequest, SampledToken, ScheduledChunk, StepOutput, StepPlan,
+                   TransferOutcome)
 
 logger = logging.getLogger(__name__)
 
@@ -47,35 +48,67 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}  # live requests (waiting, running, or held for KV)
+        self.held: dict[str, Sequence] = {}  # requests whose blocks a KV transfer may touch
         self.num_preemptions = 0
 
     # ---- rank 0: decide -------------------------------------------------------------------
 
-    def plan(self, step: int, inbox: Inbox, sampled: list[SampledToken]) -> StepPlan:
-        """The step's decisions, from the state, the inbox and the tokens sampled last step."""
-        cfg = self.config
-        plan = StepPlan(step=step, sampled=list(sampled), shutdown=inbox.shutdown)
-        gone: set[str] = set()
+    def plan(self, step: int, inbox: Inbox, sampled: list[SampledToken],
+             transfers: list[TransferOutcome] = ()) -> StepPlan:
+        """The step's decisions, from the state, the inbox, last step's tokens and the transfer
+        outcomes agreed this step."""
+        plan = StepPlan(step=step, sampled=list(sampled), transfers=list(transfers),
+                        shutdown=inbox.shutdown)
+        gone: set[str] = set()        # leave running/waiting this step
+        freed = 0                      # blocks that come back this step
+        arrived: list[SampledToken] = []
         for s in sampled:
             seq = self.seqs.get(s.request_id)
             if seq is not None and seq.stop_reason(s.token_id, len(seq.output_ids) + 1):
                 gone.add(s.request_id)
+                freed += len(seq.block_table) if seq.kv != "prefill" else 0
+        for t in transfers:
+            seq = self.held.get(t.request_id)
+            if seq is None:
+                continue
+            if t.kind == "arrived" and seq.finish_reason is None:
+                if seq.stop_reason(t.token.token_id, 1):
+                    freed += len(seq.block_table)
+                else:
+                    arrived.append(t.token)
+            elif t.kind in ("written", "fenced"):
+                freed += len(seq.block_table)
         for rid, reason in inbox.aborts:
-            if rid in self.seqs and rid not in gone:
-                plan.aborted.append((rid, reason))
-                gone.add(rid)
+            seq = self.seqs.get(rid) or self._sending(rid)
+            if seq is None or rid in gone:
+                continue
+            plan.aborted.append((rid, reason))
+            gone.add(rid)
+            if seq.status is not SequenceStatus.HELD:
+                freed += len(seq.block_table)  # held blocks wait for the transfer's fence
+            elif any(a.request_id == rid for a in arrived):
+                arrived = [a for a in arrived if a.request_id != rid]
         seen = set(self.seqs)
+        aborted_now = {rid for rid, _ in inbox.aborts}
+        free = self.allocator.num_free + freed
         for req in inbox.new:
             error = self._admission_error(req, seen)
             if error:
                 plan.rejected.append((req.request_id, error))
-            elif req.request_id in {rid for rid, _ in inbox.aborts}:
+            elif req.request_id in aborted_now:
                 plan.rejected.append((req.request_id, "aborted before it started"))
+            elif req.kv == "decode":
+                need = self._blocks_for(len(req.prompt_ids))
+                if need > free:
+                    plan.deferred.append(req)
+                    continue
+                free -= need
+                plan.admitted.append(req)
             else:
                 plan.admitted.append(req)
             seen.add(req.request_id)
-        plan.batch, plan.preempted = self._schedule(gone, sampled, plan.admitted)
+        plan.batch, plan.preempted = self._schedule(gone, sampled, arrived, plan.admitted, free)
         return plan
 
     def _admission_error(self, req: NewRequest, seen: set[str]) -> str | None:
@@ -93,21 +126,20 @@ class Scheduler:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 
-    def _schedule(self, gone: set[str], sampled: list[SampledToken], admitted: list[NewRequest]
-                  ) -> tuple[list[ScheduledChunk], list[str]]:
+    def _schedule(self, gone: set[str], sampled: list[SampledToken], arrived: list[SampledToken],
+                  admitted: list[NewRequest], free: int) -> tuple[list[ScheduledChunk], list[str]]:
         cfg = self.config
         grown = {s.request_id for s in sampled}
-        free = self.allocator.num_free
-        running: list[_Slot] = []
-        for seq in self.running:
-            if seq.request_id in gone:
-                free += len(seq.block_table)
-            else:
-                running.append(_Slot(seq, seq.request_id, seq.num_computed,
-                                     seq.num_pending + (seq.request_id in grown), len(seq.block_table)))
+        running: list[_Slot] = [
+            _Slot(seq, seq.request_id, seq.num_computed, seq.num_pending + (seq.request_id in grown),
+                  len(seq.block_table))
+            for seq in self.running if seq.request_id not in gone]
+        for tok in arrived:  # decode rooms whose KV landed: the prompt is cached, one token pending
+            seq = self.held[tok.request_id]
+            running.append(_Slot(seq, seq.request_id, len(seq.prompt_ids), 1, len(seq.block_table)))
         waiting = [_Slot(seq, seq.request_id, 0, seq.num_tokens, 0)
                    for seq in self.waiting if seq.request_id not in gone]
-        waiting += [_Slot(None, r.request_id, 0, len(r.prompt_ids), 0) for r in admitted]
+        waiting += [_Slot(None, r.request_id, 0, len(r.prompt_ids), 0) for r in admitted if r.kv != "decode"]
 
         budget, batch, preempted = cfg.max_num_batched_tokens, [], []
         scheduled: set[str] = set()
@@ -151,17 +183,12 @@ class Scheduler:
         outputs: list[StepOutput] = []
         for s in plan.sampled:
             seq = self.seqs.get(s.request_id)
-            if seq is None:  # aborted after the token was sampled
-                continue
-            seq.output_ids.append(s.token_id)
-            if s.logprobs is not None:
-                seq.logprobs.append(s.logprobs)
-            reason = seq.stop_reason(s.token_id, len(seq.output_ids))
-            outputs.append(StepOutput(seq.request_id, s.token_id, s.logprobs, reason))
-            if reason:
-                self._finish(seq, reason)
+            if seq is not None:  # else: aborted after the token was sampled
+                outputs.append(self._append(seq, s))
+        for t in plan.transfers:
+            self._apply_transfer(t, outputs)
         for rid, reason in plan.aborted:
-            seq = self.seqs.get(rid)
+            seq = self.seqs.get(rid) or self._sending(rid)
             if seq is not None:
                 outputs.append(StepOutput(rid, finish_reason=reason))
                 self._finish(seq, reason)
@@ -169,9 +196,15 @@ class Scheduler:
             outputs.append(StepOutput(rid, finish_reason="error", error=error))
         for req in plan.admitted:
             seq = Sequence(req.request_id, list(req.prompt_ids), req.params, self.eos_token_ids,
-                           max_len=self.config.max_model_len, arrival=req.arrival)
+                           max_len=self.config.max_model_len, arrival=req.arrival, kv=req.kv)
             self.seqs[seq.request_id] = seq
-            self.waiting.append(seq)
+            if req.kv == "decode":  # blocks now, the KV arrives later
+                seq.block_table = self.allocator.allocate(self._blocks_for(len(seq.prompt_ids)))
+                seq.status = SequenceStatus.HELD
+                self.held[seq.request_id] = seq
+                outputs.append(StepOutput(seq.request_id, room_blocks=list(seq.block_table)))
+            else:
+                self.waiting.append(seq)
         for rid in reversed(plan.preempted):
             seq = self.seqs[rid]
             self.running.remove(seq)
@@ -194,19 +227,66 @@ class Scheduler:
             seq.num_computed += chunk.num_tokens
         return outputs, batch
 
+    def _append(self, seq: Sequence, s: SampledToken) -> StepOutput:
+        seq.output_ids.append(s.token_id)
+        if s.logprobs is not None:
+            seq.logprobs.append(s.logprobs)
+        reason = seq.stop_reason(s.token_id, len(seq.output_ids))
+        if reason:
+            self._finish(seq, reason)
+        return StepOutput(seq.request_id, s.token_id, s.logprobs, reason)
+
+    def _apply_transfer(self, t: TransferOutcome, outputs: list[StepOutput]) -> None:
+        seq = self.held.get(t.request_id)
+        if seq is None:  # the room is not ours (any more): a late or duplicate outcome
+            return
+        if t.kind == "arrived" and seq.finish_reason is None:
+            del self.held[seq.request_id]
+            seq.num_computed = len(seq.prompt_ids)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            outputs.append(self._append(seq, t.token))
+        elif t.kind == "failed" and seq.finish_reason in (None, "prefilled"):
+            seq.finish_reason = "error"
+            self.seqs.pop(seq.request_id, None)
+            outputs.append(StepOutput(seq.request_id, finish_reason="error",
+                                      error=f"KV transfer failed: {t.error}"))
+        elif t.kind == "written" and seq.finish_reason == "prefilled":
+            self._drop_held(seq)
+            outputs.append(StepOutput(seq.request_id, finish_reason="prefilled"))
+        elif t.kind in ("written", "fenced"):
+            self._drop_held(seq)
+
+    def _sending(self, rid: str) -> Sequence | None:
+        """A prefilled request whose KV is being sent (abortable until the write ends)."""
+        seq = self.held.get(rid)
+        return seq if seq is not None and seq.finish_reason == "prefilled" else None
+
+    def _drop_held(self, seq: Sequence) -> None:
+        del self.held[seq.request_id]
+        self.seqs.pop(seq.request_id, None)
+        self._release(seq)
+
     def _finish(self, seq: Sequence, reason: str) -> None:
+        """End a request. Blocks return now, unless a transfer may still touch them (held)."""
         seq.finish_reason = reason
-        seq.status = SequenceStatus.FINISHED
+        self.seqs.pop(seq.request_id, None)
+        if seq.status is SequenceStatus.HELD or reason == "prefilled":
+            if seq in self.running:
+                self.running.remove(seq)
+            seq.status = SequenceStatus.HELD
+            self.held[seq.request_id] = seq
+            return
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
         self._release(seq)
-        del self.seqs[seq.request_id]
 
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)
         seq.block_table = []
 
     def has_work(self) -> bool:
-        return bool(self.seqs)
+        return bool(self.seqs or self.held)

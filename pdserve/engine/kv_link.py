@@ -1,0 +1,93 @@
+"""The engine's side of the KV transfer: turns transfer events into observations, and the
+plan's decisions into transfer calls (expect, write, abort) on this rank's agent.
+
+Everything here runs on the scheduler thread, the only thread that touches the agent.
+"""
+from __future__ import annotations
+
+import json
+import logging
+
+from pdserve.engine.sequence import Sequence, TokenLogprobs
+from pdserve.scheduler.plan import SampledToken, StepOutput, StepPlan, TransferOutcome
+from pdserve.transfer import (Fenced, RoomAborted, RoomDone, RoomFailed, RoomWritten, TransferSource,
+                              TransferTarget, agent_name)
+
+logger = logging.getLogger(__name__)
+
+
+def encode_first_token(tok: SampledToken) -> bytes:
+    lp = tok.logprobs
+    return json.dumps({"t": tok.token_id, "lp": None if lp is None else [lp.logprob, lp.top]}).encode()
+
+
+def decode_first_token(room: str, payload: bytes) -> SampledToken:
+    d = json.loads(payload)
+    lp = d.get("lp")
+    return SampledToken(room, int(d["t"]), None if lp is None else
+                        TokenLogprobs(int(d["t"]), float(lp[0]), [(int(a), float(b)) for a, b in lp[1]]))
+
+
+class KVLink:
+    """One rank's transfer agent as the scheduler sees it (decode: a target; prefill: a source)."""
+
+    def __init__(self, agent: TransferTarget | TransferSource, rank: int = 0):
+        self.agent, self.rank = agent, rank
+        self.is_target = isinstance(agent, TransferTarget)
+        self._local: list[TransferOutcome] = []  # outcomes decided here (a refused write, ...)
+        self._peers: dict[str, dict] = {}  # prefill: where each admitted request's KV goes
+
+    def observe(self) -> list[TransferOutcome]:
+        """This rank's transfer results since the last call."""
+        out, self._local = self._local, []
+        for ev in self.agent.poll():
+            if isinstance(ev, RoomDone):
+                try:
+                    out.append(TransferOutcome(ev.room, "arrived", decode_first_token(ev.room, ev.payload)))
+                except (ValueError, KeyError, TypeError) as e:
+                    self.agent.abort(ev.room)
+                    out.append(TransferOutcome(ev.room, "failed", error=f"bad completion payload: {e}"))
+            elif isinstance(ev, RoomWritten):
+                out.append(TransferOutcome(ev.room, "written"))
+            elif isinstance(ev, RoomFailed):
+                out.append(TransferOutcome(ev.room, "failed", error=ev.reason))
+            elif isinstance(ev, RoomAborted):
+                out.append(TransferOutcome(ev.room, "failed", error="aborted by the peer worker"))
+            elif isinstance(ev, Fenced):
+                out.append(TransferOutcome(ev.room, "fenced"))
+        return out
+
+    def act(self, plan: StepPlan, outputs: list[StepOutput], held: dict[str, Sequence]) -> None:
+        """Carry out the plan's transfer decisions on this rank (same calls on every rank)."""
+        for rid, _ in plan.aborted:
+            self.agent.abort(rid)  # idempotent; unknown rooms become tombstones
+            self._peers.pop(rid, None)
+        if self.is_target:
+            for req in plan.admitted:
+                if req.kv == "decode":
+                    source = agent_name("prefill", req.peer["worker_id"], self.rank)
+                    if not self.agent.expect(req.request_id, source):
+                        self._fail(req.request_id, "the room was aborted before its KV arrived")
+            return
+        self._peers.update((r.request_id, r.peer) for r in plan.admitted)
+        for out in outputs:
+            if out.finish_reason == "prefilled" and out.token_id is not None:
+                self._send(out, held[out.request_id].block_table)
+
+    def _send(self, out: StepOutput, blocks: list[int]) -> None:
+        peer = self._peers.pop(out.request_id, None)
+        rid = out.request_id
+        if peer is None:
+            return self._fail(rid, "no decode worker for this room")
+        try:
+            name = self.agent.connect(peer["bootstrap"][self.rank].encode())
+            ok = self.agent.write(rid, name, blocks, peer["blocks"],
+                                  encode_first_token(SampledToken(rid, out.token_id, out.logprobs)))
+        except Exception as e:  # a transport or layout error fails this room, never the loop
+            logger.warning("room %s: cannot write KV to the decode worker: %s", rid, e)
+            return self._fail(rid, str(e))
+        if not ok:
+            self._fail(rid, "the room ended before its KV was sent")
+
+    def _fail(self, rid: str, error: str) -> None:
+        self._local += [TransferOutcome(rid, "failed", error=error), TransferOutcome(rid, "fenced")]

@@ -1,0 +1,42 @@
+"""`pdserve prefill | decode | worker`: start a worker and serve its internal API."""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import logging
+import signal
+import sys
+
+import uvicorn
+
+from .server import build_app
+from .worker import Worker, WorkerSettings
+
+logger = logging.getLogger(__name__)
+
+
+def add_worker_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--host", default="127.0.0.1", help="address of the internal API")
+    p.add_argument("--port", type=int, default=8100, help="port of the internal API")
+    p.add_argument("--worker-id", default="", help="stable id of this worker (default: host-role-time)")
+    p.add_argument("--health-stall-timeout", type=float, default=10.0,
+                   help="/health answers 503 when the scheduler loop made no step for this many seconds")
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests may finish before they are aborted")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="exit when the parent process dies (used by `pdserve serve`)")
+
+
+def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
+    if args.exit_with_parent and sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    settings = WorkerSettings(role, args.worker_id, args.health_stall_timeout, args.drain_timeout)
+    worker = Worker(engine_config, settings)
+    worker.start()
+    app = build_app(worker, str(args.model or "default"))
+    logger.info("%s worker %s listening on http://%s:%d", role, settings.worker_id, args.host, args.port)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    finally:
+        worker.stop()
+    return 0

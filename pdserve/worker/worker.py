@@ -1,0 +1,158 @@
+"""A worker: the engine's loop on its own thread, bridged to the asyncio HTTP server.
+
+The loop thread is the only thread that touches the engine and the transfer agent. HTTP
+handlers talk to it through the engine's thread-safe inbox, and get their outputs back through
+per-request asyncio queues fed with `call_soon_threadsafe`.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.scheduler.plan import StepOutput
+from pdserve.transfer import agent_name
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.002  # the loop's nap when idle: short, since it must keep polling transfers
+
+
+@dataclass
+class WorkerSettings:
+    role: str                        # "prefill" | "decode" | "both"
+    worker_id: str = ""
+    health_stall_timeout: float = 10.0  # /health fails when the loop made no step for this long
+    drain_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"unknown worker role {self.role!r}")
+        if not self.worker_id:
+            self.worker_id = f"{socket.gethostname()}-{self.role}-{int(time.time() * 1000) % 10**8}"
+
+
+class Worker:
+    """Owns the engine, its loop thread and the map from request ids to their output queues."""
+
+    def __init__(self, engine_config: EngineConfig, settings: WorkerSettings):
+        self.settings = settings
+        kv = {"both": "local", "prefill": "prefill", "decode": "decode"}[settings.role]
+        self.engine = LLMEngine(engine_config, kv_role=kv)
+        self.agent = None  # made on the loop thread: a NIXL agent is used by one thread only
+        self._agent_name = None if settings.role == "both" else agent_name(settings.role, settings.worker_id, 0)
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.last_step = time.monotonic()
+        self.step_count = 0
+        self.draining = False
+        self.error: str | None = None
+        self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
+
+    # ---- the loop thread -----------------------------------------------------------------
+
+    def start(self) -> None:
+        ready = threading.Event()
+        self._ready = ready
+        self._thread.start()
+        ready.wait()
+        if self.error:
+            raise RuntimeError(self.error)
+
+    def _make_agent(self) -> None:
+        if self._agent_name is None:
+            return
+        from pdserve.transfer.nixl_source import NixlSource
+        from pdserve.transfer.nixl_target import NixlTarget
+
+        cls = NixlTarget if self.settings.role == "decode" else NixlSource
+        self.agent = cls(self._agent_name, self.engine.pool.tensors())
+        self.engine.attach_transfer(self.agent, rank=0)
+        logger.info("transfer agent %s registered %d KV tensors", self._agent_name,
+                    len(self.engine.pool.tensors()))
+
+    def _run(self) -> None:
+        try:
+            self._make_agent()
+        except Exception as e:  # noqa: BLE001 - reported to start()
+            self.error = f"cannot start the transfer agent: {e}"
+            self._ready.set()
+            return
+        self._ready.set()
+        while not self._stop.is_set():
+            try:
+                outputs = self.engine.step()
+            except Exception:
+                logger.exception("the scheduler loop failed; the worker stops")
+                self.error = "the scheduler loop failed"
+                self._fail_all("the worker's scheduler loop failed")
+                return
+            self.last_step = time.monotonic()
+            self.step_count += 1
+            if outputs:
+                self._dispatch(outputs)
+            if not self.engine.has_work():
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+        if self.agent is not None:
+            self.agent.close()
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        with self._lock:
+            for out in outputs:
+                entry = self._queues.get(out.request_id)
+                if entry is not None:
+                    loop, q = entry
+                    loop.call_soon_threadsafe(q.put_nowait, out)
+
+    def _fail_all(self, error: str) -> None:
+        self._dispatch([StepOutput(rid, finish_reason="error", error=error) for rid in list(self._queues)])
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- called from asyncio handlers ----------------------------------------------------
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+               peer: dict | None = None) -> asyncio.Queue:
+        """Queue a request; its outputs arrive on the returned queue (the last has finish_reason)."""
+        q: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if request_id in self._queues:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            self._queues[request_id] = (asyncio.get_running_loop(), q)
+        self.engine.add_request(request_id, prompt_ids, params, peer)
+        self._wake.set()
+        return q
+
+    def release(self, request_id: str) -> None:
+        """The handler is done with a request's queue."""
+        with self._lock:
+            self._queues.pop(request_id, None)
+
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        self.engine.abort(request_id, reason)
+        self._wake.set()
+
+    def seconds_since_step(self) -> float:
+        return time.monotonic() - self.last_step
+
+    def healthy(self) -> bool:
+        return (self.error is None and self._thread.is_alive()
+                and self.seconds_since_step() < self.settings.health_stall_timeout)
+
+    def load(self) -> dict:
+        s = self.engine.scheduler
+        return {"waiting": len(s.waiting), "running": len(s.running), "transferring": len(s.held),
+                "free_blocks": s.allocator.num_free, "total_blocks": s.allocator.num_blocks,
+                "in_flight": len(self._queues)}

@@ -1,0 +1,130 @@
+"""Real worker processes on loopback, and a small client of their internal API (worker/API.md)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class WorkerProc:
+    role: str
+    url: str
+    proc: subprocess.Popen
+    worker_id: str
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=10, **kw)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def start_worker(role: str, model: str, *extra: str, worker_id: str | None = None,
+                 timeout: float = 180) -> WorkerProc:
+    port = free_port()
+    worker_id = worker_id or f"test-{role}-{port}"
+    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING",
+           "worker", "--role", role, "--model", model, "--port", str(port), "--worker-id", worker_id,
+           "--threads", "1", *extra]
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    w = WorkerProc(role, f"http://127.0.0.1:{port}", proc, worker_id)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{role} worker exited: {proc.stderr.read().decode()[-3000:]}")
+        try:
+            if w.get("/ready").status_code == 200:
+                return w
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    w.kill()
+    raise TimeoutError(f"{role} worker did not become ready")
+
+
+class PDClient:
+    """The router's PD flow, done by hand: decode allocates the room, prefill sends the KV."""
+
+    def __init__(self, prefill: WorkerProc | None, decode: WorkerProc):
+        self.prefill, self.decode = prefill, decode
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(60.0))
+
+    async def generate(self, rid: str, prompt_ids: list[int], params: dict) -> tuple[list[int], str, str | None]:
+        body = {"request_id": rid, "prompt_ids": prompt_ids, "params": params}
+        if self.prefill is not None:
+            body |= {"prefill_url": self.prefill.url, "prefill_worker_id": self.prefill.worker_id}
+        tokens: list[int] = []
+        async with self.http.stream("POST", self.decode.url + "/generate", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            prefill_task = None
+            async for line in r.aiter_lines():
+                msg = json.loads(line)
+                if "room" in msg:
+                    room = msg["room"]
+                    prefill_task = self.http.post(self.prefill.url + "/prefill", json={
+                        "request_id": rid, "prompt_ids": prompt_ids, "params": params,
+                        "decode": {"worker_id": room["worker_id"], "decode_url": self.decode.url,
+                                   "blocks": room["blocks"]}})
+                    pr = await prefill_task
+                    if pr.json()["status"] != "done":
+                        await self.abort(rid)
+                    continue
+                tokens += msg["token_ids"]
+                if msg["finish_reason"]:
+                    return tokens, msg["finish_reason"], msg["error"]
+        raise AssertionError("stream ended without a finish_reason")
+
+    async def abort(self, rid: str) -> None:
+        for w in (self.prefill, self.decode):
+            if w is not None:
+                await self.http.post(w.url + "/abort", json={"request_id": rid})
+
+
+def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def pool_full(w: WorkerProc) -> bool:
+    load = w.get("/load").json()
+    return load["free_blocks"] == load["total_blocks"] and load["in_flight"] == 0
+
+
+@pytest.fixture(scope="module")
+def pd_pair(default_model_dir):
+    prefill = start_worker("prefill", default_model_dir)
+    decode = start_worker("decode", default_model_dir)
+    yield prefill, decode
+    prefill.stop()
+    decode.stop()
