@@ -113,7 +113,7 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
         for k, v in worker.load().items():
             lines.append(f'pdserve:worker_{k}{{role="{role}"}} {v}')
         if worker.agent is not None:
-            for k, v in sorted(worker.agent.metrics().items()):
+            for k, v in sorted(worker.transfer_metrics.items()):
                 lines.append(f'pdserve:transfer_{k}{{role="{role}"}} {v}')
         return PlainTextResponse("\n".join(lines) + "\n")
 

@@ -55,6 +55,8 @@ class Worker:
         self.step_count = 0
         self.draining = False
         self.error: str | None = None
+        self.transfer_metrics: dict[str, int] = {}  # snapshot taken on the loop thread
+        self._snapshot_at = 0.0
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
 
     # ---- the loop thread -----------------------------------------------------------------
@@ -95,7 +97,10 @@ class Worker:
                 self.error = "the scheduler loop failed"
                 self._fail_all("the worker's scheduler loop failed")
                 return
-            self.last_step = time.monotonic()
+            now = time.monotonic()
+            if self.agent is not None and now - self._snapshot_at > 0.1:
+                self.transfer_metrics, self._snapshot_at = self.agent.metrics(), now
+            self.last_step = now
             self.step_count += 1
             if outputs:
                 self._dispatch(outputs)
@@ -155,4 +160,4 @@ class Worker:
         s = self.engine.scheduler
         return {"waiting": len(s.waiting), "running": len(s.running), "transferring": len(s.held),
                 "free_blocks": s.allocator.num_free, "total_blocks": s.allocator.num_blocks,
-                "in_flight": len(self._queues)}
+                "in_flight": len(self._queues), "rooms_live": self.transfer_metrics.get("rooms_live", 0)}

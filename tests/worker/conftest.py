@@ -1,6 +1,7 @@
 """Real worker processes on loopback, and a small client of their internal API (worker/API.md)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -74,32 +75,37 @@ class PDClient:
 
     def __init__(self, prefill: WorkerProc | None, decode: WorkerProc):
         self.prefill, self.decode = prefill, decode
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(60.0))
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, pool=None),
+                                      limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
     async def generate(self, rid: str, prompt_ids: list[int], params: dict) -> tuple[list[int], str, str | None]:
         body = {"request_id": rid, "prompt_ids": prompt_ids, "params": params}
         if self.prefill is not None:
             body |= {"prefill_url": self.prefill.url, "prefill_worker_id": self.prefill.worker_id}
         tokens: list[int] = []
-        async with self.http.stream("POST", self.decode.url + "/generate", json=body) as r:
-            assert r.status_code == 200, await r.aread()
-            prefill_task = None
-            async for line in r.aiter_lines():
-                msg = json.loads(line)
-                if "room" in msg:
-                    room = msg["room"]
-                    prefill_task = self.http.post(self.prefill.url + "/prefill", json={
-                        "request_id": rid, "prompt_ids": prompt_ids, "params": params,
-                        "decode": {"worker_id": room["worker_id"], "decode_url": self.decode.url,
-                                   "blocks": room["blocks"]}})
-                    pr = await prefill_task
-                    if pr.json()["status"] != "done":
-                        await self.abort(rid)
-                    continue
-                tokens += msg["token_ids"]
-                if msg["finish_reason"]:
-                    return tokens, msg["finish_reason"], msg["error"]
+        prefill_task = None
+        try:
+            async with self.http.stream("POST", self.decode.url + "/generate", json=body) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in r.aiter_lines():
+                    msg = json.loads(line)
+                    if "room" in msg:  # blocks allocated: prefill writes into them, concurrently
+                        prefill_task = asyncio.create_task(self._prefill(rid, prompt_ids, params, msg["room"]))
+                        continue
+                    tokens += msg["token_ids"]
+                    if msg["finish_reason"]:
+                        return tokens, msg["finish_reason"], msg["error"]
+        finally:
+            if prefill_task is not None and not prefill_task.done():
+                prefill_task.cancel()
         raise AssertionError("stream ended without a finish_reason")
+
+    async def _prefill(self, rid: str, prompt_ids: list[int], params: dict, room: dict) -> None:
+        r = await self.http.post(self.prefill.url + "/prefill", json={
+            "request_id": rid, "prompt_ids": prompt_ids, "params": params,
+            "decode": {"worker_id": room["worker_id"], "decode_url": self.decode.url, "blocks": room["blocks"]}})
+        if r.json()["status"] != "done":
+            await self.abort(rid)
 
     async def abort(self, rid: str) -> None:
         for w in (self.prefill, self.decode):
