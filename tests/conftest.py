@@ -59,3 +59,20 @@ def _all_logits(model: torch.nn.Module, ids: list[int], chunk: int | None = None
             tok, pos, meta = runner.metadata([(seq, start, n)])
             out.append(model.compute_logits(model(tok, pos, meta)))
     return torch.cat(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama4_dir(tmp_path_factory) -> str:
+    """A 2-layer random Llama with 8 heads and 4 KV heads: shards over TP=2 and TP=4."""
+    import transformers
+
+    path = tmp_path_factory.mktemp("tiny-llama4")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256,
+                                   num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                                   max_position_embeddings=512, eos_token_id=2, bos_token_id=1)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():  # sharper logits: fewer near-ties between the top two tokens
+        model.lm_head.weight.mul_(8.0)
+    model.save_pretrained(path)
+    return str(path)

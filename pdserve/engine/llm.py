@@ -50,7 +50,7 @@ class LLM:
             self.engine.add_request(rid, self.prompt_ids(prompt, chat), p)
             done[rid], index[rid], streams[rid] = Completion(rid), i, TextStream(self.tokenizer, p.stop)
         while self.engine.has_work():
-            for out in self.engine.step():
+            for out in self.engine.step()[1]:
                 c, ts = done[out.request_id], streams[out.request_id]
                 delta = ""
                 if out.token_id is not None and not ts.stopped:

@@ -1,7 +1,7 @@
-"""The single-process engine: observe → plan → apply, one rank.
+"""The engine of one TP rank: observe → agree → broadcast → apply (scheduler/lockstep.py).
 
 `step()` is the whole loop body: drain the inbox, let the scheduler plan, apply the plan, run
-the batch. Tokens sampled in a step travel in the next step's plan, so that later, with tensor
+the batch. Tokens sampled in a step travel in the next step's plan, so that with tensor
 parallelism, rank 0's sampling reaches every rank through the same single broadcast.
 """
 from __future__ import annotations
@@ -12,10 +12,13 @@ import time
 
 import torch
 
+from pdserve.distributed import TPGroup
+from pdserve.distributed.comm import LocalComm
+from pdserve.distributed.trace import CollectiveTrace
 from pdserve.kvcache import BlockAllocator, KVPool
 from pdserve.models import eos_token_ids, load_model, read_config
-from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig, StepOutput
-from pdserve.scheduler.plan import SampledToken
+from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
+from pdserve.scheduler.lockstep import LockstepLoop
 from pdserve.weights import resolve_model_path
 
 from .config import EngineConfig
@@ -36,7 +39,8 @@ class LLMEngine:
     travels through `attach_transfer`'s agent).
     """
 
-    def __init__(self, config: EngineConfig, kv_role: str = "local"):
+    def __init__(self, config: EngineConfig, kv_role: str = "local", tp: TPGroup | None = None,
+                 comm=None, digest_every: int = 0):
         self.config = config
         if config.threads:
             # on a small CPU shared by several workers, one thread each beats contended OpenMP teams
@@ -44,7 +48,13 @@ class LLMEngine:
         self.model_dir = resolve_model_path(config.model)
         hf_config = read_config(self.model_dir)
         dtype = config.torch_dtype()
-        self.model = load_model(self.model_dir, dtype, config.device)
+        self.trace = CollectiveTrace()
+        tp = tp or TPGroup()
+        tp = TPGroup(tp.rank, tp.size, tp.group, self.trace)
+        self.comm = comm or LocalComm(self.trace)
+        self.comm.trace = self.trace
+        self.rank = tp.rank
+        self.model = load_model(self.model_dir, dtype, config.device, tp)
         specs = self.model.cache_spec(dtype)
         num_blocks = KVPool.blocks_for_budget(config.kv_cache_memory, self.model.num_layers, specs,
                                               config.block_size)
@@ -56,15 +66,13 @@ class LLMEngine:
             self.allocator, eos_token_ids(self.model_dir))
         self.runner = ModelRunner(self.model, self.pool, config.device)
         self.kv_role = kv_role
-        self.link: KVLink | None = None
+        self.loop = LockstepLoop(self.scheduler, self.comm, self.runner.run, None, digest_every, self.trace)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._sampled: list[SampledToken] = []
         self._aborted: dict[str, float] = {}  # recent aborts: a late add of the same id is refused
-        self._step = 0
 
     def attach_transfer(self, agent, rank: int = 0) -> None:
         """Use a transfer agent over this engine's pool (a target for decode, a source for prefill)."""
-        self.link = KVLink(agent, rank)
+        self.loop.link = KVLink(agent, rank)
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     peer: dict | None = None) -> None:
@@ -97,27 +105,23 @@ class LLMEngine:
             self._aborted = {k: t for k, t in self._aborted.items() if now - t < ABORT_TOMBSTONE_TTL_S}
         return inbox
 
-    def step(self) -> list[StepOutput]:
-        """One iteration: observe → plan → apply → run. Returns what requests produced."""
-        inbox = self._drain()
-        transfers = self.link.observe() if self.link else []
-        plan = self.scheduler.plan(self._step, inbox, self._sampled, transfers)
+    def step(self, shutdown: bool = False) -> tuple[StepPlan, list[StepOutput]]:
+        """One lockstep iteration (see scheduler/lockstep.py). Rank 0 drains the inbox; other
+        ranks only follow the plan. Returns the plan and what requests produced."""
+        inbox = self._drain() if self.rank == 0 else Inbox()
+        inbox.shutdown = shutdown
+        plan, outputs = self.loop.step(inbox)
         for req in plan.deferred:  # a decode room waits for blocks; try again next step
             self._inbox.put(req)
-        outputs, batch = self.scheduler.apply(plan)
-        if self.link:
-            self.link.act(plan, outputs, self.scheduler.held)
-        self._sampled = self.runner.run(batch)
-        self._step += 1
-        return outputs
+        return plan, outputs
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self._sampled) or not self._inbox.empty()
+        return self.scheduler.has_work() or bool(self.loop.sampled) or not self._inbox.empty()
 
     @torch.inference_mode()
     def run_until_done(self) -> list[StepOutput]:
         """Step until every request has finished; returns all outputs in order."""
         outputs: list[StepOutput] = []
         while self.has_work():
-            outputs += self.step()
+            outputs += self.step()[1]
         return outputs

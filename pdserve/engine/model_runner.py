@@ -40,8 +40,11 @@ class ModelRunner:
         return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta
 
     @torch.inference_mode()
-    def run(self, batch: list[tuple[Sequence, int, int]]) -> list[SampledToken]:
-        """Forward the batch; sample for every sequence whose chunk reached its last token."""
+    def run(self, batch: list[tuple[Sequence, int, int]], sample_tokens: bool = True) -> list[SampledToken]:
+        """Forward the batch; sample for every sequence whose chunk reached its last token.
+
+        Every TP rank computes the logits (the LM head's all_gather is a collective); only the
+        rank that plans (`sample_tokens`) samples."""
         if not batch:
             return []
         ids, positions, meta = self.metadata(batch)
@@ -51,5 +54,7 @@ class ModelRunner:
             return []
         last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in ends], device=self.device)
         logits = self.model.compute_logits(hidden[last])
+        if not sample_tokens:
+            return []
         seqs = [batch[i][0] for i in ends]
         return [SampledToken(seq.request_id, tok, lp) for seq, (tok, lp) in zip(seqs, sample(logits, seqs))]

@@ -2,15 +2,16 @@
 
 Column-parallel layers split the output features (no communication); row-parallel layers split
 the input features and sum the partial products with one all_reduce. Each layer loads its own
-slice of a checkpoint tensor, so a rank reads only its shard.
+slice of a checkpoint tensor, so a rank reads only its shard. How the weight is stored and
+multiplied (plain or NVFP4) belongs to the layer's `LinearMethod` (pdserve.layers.quant).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pdserve.distributed import TPGroup
+from pdserve.layers.quant import LinearMethod, Shard, UnquantizedLinearMethod, place, read_shard
 
 
 class WeightSlices:
@@ -24,51 +25,57 @@ class ReplicatedLinear(nn.Module):
     """The full matrix on every rank."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp: TPGroup = TPGroup()):
+                 tp: TPGroup = TPGroup(), method: LinearMethod | None = None):
         super().__init__()
         self.tp = tp
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.method = method or UnquantizedLinearMethod()
+        self.method.create_weights(self, in_features, out_features)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.method.apply(self, x, self.bias)
+
+    def shard(self, shard_id: object) -> Shard:
+        """Which slice of the checkpoint tensor (part `shard_id` if fused) this rank reads."""
+        return Shard(0, 0, self.weight.shape[0], 0, 0)
 
     def load(self, param: str, source: WeightSlices, name: str, shard_id: object = None) -> None:
-        target = getattr(self, param)
-        target.data.copy_(source.get_slice(name, 0, 0, target.shape[0], target.dtype))
+        shard = self.shard(shard_id)
+        if param == "bias":
+            if shard.dim != 0:  # row-parallel: the bias is added once, after the all_reduce
+                shard = Shard(0, 0, self.bias.shape[0], 0, 0)
+            place(self.bias, read_shard(source, name, shard), shard, name)
+        else:
+            self.method.load(self, param, source, name, shard)
 
 
 class ColumnParallelLinear(ReplicatedLinear):
     """Output features split across ranks; each rank produces its slice of the output."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp: TPGroup = TPGroup()):
+                 tp: TPGroup = TPGroup(), method: LinearMethod | None = None):
         start, stop = tp.shard(out_features)
-        super().__init__(in_features, stop - start, bias, tp)
+        super().__init__(in_features, stop - start, bias, tp, method)
         self.out_features = out_features
 
-    def load(self, param: str, source: WeightSlices, name: str, shard_id: object = None) -> None:
-        target = getattr(self, param)
+    def shard(self, shard_id: object) -> Shard:
         start, stop = self.tp.shard(self.out_features)
-        target.data.copy_(source.get_slice(name, 0, start, stop, target.dtype))
+        return Shard(0, start, stop, 0, 0)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel matrices stacked into one (gate and up): one matmul instead of many."""
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False,
-                 tp: TPGroup = TPGroup()):
-        super().__init__(in_features, sum(output_sizes), bias, tp)
+                 tp: TPGroup = TPGroup(), method: LinearMethod | None = None):
+        super().__init__(in_features, sum(output_sizes), bias, tp, method)
         self.output_sizes = output_sizes
 
-    def load(self, param: str, source: WeightSlices, name: str, shard_id: object = None) -> None:
+    def shard(self, shard_id: object) -> Shard:
         assert isinstance(shard_id, int)
-        target = getattr(self, param)
         local = [n // self.tp.size for n in self.output_sizes]
-        offset = sum(local[:shard_id])
         start, stop = self.tp.shard(self.output_sizes[shard_id])
-        target.data[offset:offset + local[shard_id]].copy_(
-            source.get_slice(name, 0, start, stop, target.dtype))
+        return Shard(0, start, stop, sum(local[:shard_id]), shard_id)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -77,8 +84,10 @@ class QKVParallelLinear(ColumnParallelLinear):
     With fewer KV heads than ranks, each KV head is replicated on `size // kv_heads` ranks.
     """
 
+    PARTS = ("q", "k", "v")
+
     def __init__(self, hidden: int, head_dim: int, num_heads: int, num_kv_heads: int,
-                 bias: bool = False, tp: TPGroup = TPGroup()):
+                 bias: bool = False, tp: TPGroup = TPGroup(), method: LinearMethod | None = None):
         if num_heads % tp.size:
             raise ValueError(f"{num_heads} attention heads do not split over TP size {tp.size}")
         if num_kv_heads % tp.size and tp.size % num_kv_heads:
@@ -88,7 +97,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = max(1, num_kv_heads // tp.size)
         self.total_kv_heads = num_kv_heads
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        ReplicatedLinear.__init__(self, hidden, out, bias, tp)
+        ReplicatedLinear.__init__(self, hidden, out, bias, tp, method)
 
     def kv_head_range(self) -> tuple[int, int]:
         """The checkpoint KV heads this rank holds."""
@@ -98,8 +107,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             first = self.tp.rank // (self.tp.size // self.total_kv_heads)
         return first, first + self.num_kv_heads
 
-    def load(self, param: str, source: WeightSlices, name: str, shard_id: object = None) -> None:
-        target = getattr(self, param)
+    def shard(self, shard_id: object) -> Shard:
         d = self.head_dim
         q_rows = self.num_heads * d
         kv_rows = self.num_kv_heads * d
@@ -108,25 +116,22 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             first = self.kv_head_range()[0]
             offset, rows = (q_rows, kv_rows) if shard_id == "k" else (q_rows + kv_rows, kv_rows)
-        target.data[offset:offset + rows].copy_(
-            source.get_slice(name, 0, first * d, first * d + rows, target.dtype))
+        return Shard(0, first * d, first * d + rows, offset, self.PARTS.index(shard_id))
 
 
 class RowParallelLinear(ReplicatedLinear):
     """Input features split across ranks; partial outputs summed with one all_reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp: TPGroup = TPGroup()):
+                 tp: TPGroup = TPGroup(), method: LinearMethod | None = None):
         start, stop = tp.shard(in_features)
-        super().__init__(stop - start, out_features, bias, tp)
+        super().__init__(stop - start, out_features, bias, tp, method)
         self.in_features = in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+        y = self.tp.all_reduce(self.method.apply(self, x, None))
         return y + self.bias if self.bias is not None else y
 
-    def load(self, param: str, source: WeightSlices, name: str, shard_id: object = None) -> None:
-        if param == "bias":
-            return super().load(param, source, name)
+    def shard(self, shard_id: object) -> Shard:
         start, stop = self.tp.shard(self.in_features)
-        self.weight.data.copy_(source.get_slice(name, 1, start, stop, self.weight.dtype))
+        return Shard(1, start, stop, 0, 0)

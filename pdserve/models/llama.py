@@ -18,6 +18,7 @@ from pdserve.layers.attention import Attention, AttentionMetadata
 from pdserve.layers.embedding import Embedding, LMHead
 from pdserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pdserve.layers.norm import RMSNorm
+from pdserve.layers.quant import QuantConfig, linear_method
 from pdserve.layers.rotary import RotaryEmbedding
 
 logger = logging.getLogger(__name__)
@@ -67,11 +68,14 @@ class LlamaConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, c: LlamaConfig, layer_idx: int, tp: TPGroup):
+    def __init__(self, c: LlamaConfig, layer_idx: int, tp: TPGroup, quant: QuantConfig | None = None):
         super().__init__()
+        p = f"model.layers.{layer_idx}.self_attn"
         self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads,
-                                          bias=c.qkv_bias, tp=tp)
-        self.o_proj = RowParallelLinear(c.num_heads * c.head_dim, c.hidden_size, bias=False, tp=tp)
+                                          bias=c.qkv_bias, tp=tp, method=linear_method(
+                                              quant, [f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj"]))
+        self.o_proj = RowParallelLinear(c.num_heads * c.head_dim, c.hidden_size, bias=False, tp=tp,
+                                        method=linear_method(quant, [f"{p}.o_proj"]))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = c.head_dim
         if c.qk_norm:
@@ -96,20 +100,24 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, c: LlamaConfig, tp: TPGroup):
+    def __init__(self, c: LlamaConfig, layer_idx: int, tp: TPGroup, quant: QuantConfig | None = None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(c.hidden_size, [c.intermediate_size] * 2, tp=tp)
-        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, tp=tp)
+        p = f"model.layers.{layer_idx}.mlp"
+        self.gate_up_proj = MergedColumnParallelLinear(
+            c.hidden_size, [c.intermediate_size] * 2, tp=tp,
+            method=linear_method(quant, [f"{p}.gate_proj", f"{p}.up_proj"]))
+        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, tp=tp,
+                                           method=linear_method(quant, [f"{p}.down_proj"]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, c: LlamaConfig, layer_idx: int, tp: TPGroup):
+    def __init__(self, c: LlamaConfig, layer_idx: int, tp: TPGroup, quant: QuantConfig | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(c, layer_idx, tp)
-        self.mlp = LlamaMLP(c, tp)
+        self.self_attn = LlamaAttention(c, layer_idx, tp, quant)
+        self.mlp = LlamaMLP(c, layer_idx, tp, quant)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -125,10 +133,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, c: LlamaConfig, tp: TPGroup):
+    def __init__(self, c: LlamaConfig, tp: TPGroup, quant: QuantConfig | None = None):
         super().__init__()
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, tp) for i in range(c.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, tp, quant) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -139,17 +147,22 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """Entry point: `forward` gives hidden states, `compute_logits` the full-vocabulary logits."""
+    """Entry point: `forward` gives hidden states, `compute_logits` the full-vocabulary logits.
+
+    `quant` (a checkpoint's quantization config, e.g. pdserve.weights.nvfp4.NVFP4Config) picks
+    each projection's LinearMethod; the embeddings and the LM head stay unquantized.
+    """
 
     # checkpoint name part → (our module name part, shard id)
     stacked = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
-    def __init__(self, hf_config: dict, tp: TPGroup = TPGroup()):
+    def __init__(self, hf_config: dict, tp: TPGroup = TPGroup(), quant: QuantConfig | None = None):
         super().__init__()
         c = self.config = LlamaConfig.from_hf(hf_config)
         self.tp = tp
-        self.model = LlamaModel(c, tp)
+        self.quant = quant
+        self.model = LlamaModel(c, tp, quant)
         self.lm_head = LMHead(c.vocab_size, c.hidden_size, tp,
                               tied_to=self.model.embed_tokens if c.tie_word_embeddings else None)
 
@@ -172,8 +185,11 @@ class LlamaForCausalLM(nn.Module):
         """Load from a WeightSource; each layer reads only its TP slice."""
         modules = dict(self.named_modules())
         expected = {n for n, _ in self.named_parameters()}
+        ignores = getattr(self.quant, "ignores_tensor", lambda _: False)
         for name in source.names():
             if "rotary_emb" in name or (name.startswith("lm_head") and self.config.tie_word_embeddings):
+                continue
+            if ignores(name):
                 continue
             module_name, _, param = name.rpartition(".")
             parent, _, leaf = module_name.rpartition(".")
@@ -185,6 +201,10 @@ class LlamaForCausalLM(nn.Module):
             if module is None:
                 logger.warning("checkpoint tensor %s has no place in the model; skipped", name)
                 continue
+            if not hasattr(module, param):
+                raise ValueError(f"checkpoint tensor {name} has no place in {module_name} "
+                                 f"({type(module).__name__}); is the checkpoint's quantization config "
+                                 "(or its exclude list) right?")
             module.load(param, source, name, shard_id)
             expected.discard(f"{module_name}.{param}")
         if expected:

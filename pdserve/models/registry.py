@@ -1,8 +1,10 @@
 """config.json `architectures` → model class, and model construction + weight loading."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -45,17 +47,37 @@ def eos_token_ids(model_dir: str | Path) -> frozenset[int]:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               tp: TPGroup = TPGroup()) -> nn.Module:
-    """Build the model of `model_dir/config.json` and load its weights (this rank's slices only)."""
+               tp: TPGroup = TPGroup(), nvfp4_mode: str = "auto") -> nn.Module:
+    """Build the model of `model_dir/config.json` and load its weights (this rank's slices only).
+
+    A ModelOpt NVFP4 checkpoint is detected from its config; `nvfp4_mode` (auto | w4a16 | w4a4)
+    says how its layers compute (pdserve.layers.quant.nvfp4).
+    """
+    from pdserve.layers.quant import finish_loading
     from pdserve.weights import WeightSource
+    from pdserve.weights.nvfp4 import detect
 
     hf_config = read_config(model_dir)
     cls = model_class(hf_config)
-    with torch.device(device):
-        model = cls(hf_config, tp)
-    model.to(dtype)
+    quant = detect(model_dir, hf_config, nvfp4_mode)
+    # built in `dtype` rather than cast afterwards: a cast would also convert the float8 and
+    # fp32 scales of quantized layers
+    with torch.device(device), default_dtype(dtype):
+        model = cls(hf_config, tp, quant)
     model.load_weights(WeightSource(model_dir))
+    finish_loading(model, dtype)
     model.eval()
-    logger.info("loaded %s from %s (%s, %s, tp %d/%d)", cls.__name__, model_dir, dtype, device,
-                tp.rank, tp.size)
+    logger.info("loaded %s from %s (%s, %s, tp %d/%d%s)", cls.__name__, model_dir, dtype, device,
+                tp.rank, tp.size, f", {quant.quant_algo} from {quant.source}" if quant else "")
     return model
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Floating tensors created without an explicit dtype get `dtype` inside the block."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)

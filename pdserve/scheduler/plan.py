@@ -75,6 +75,7 @@ class StepPlan:
     preempted: list[str] = field(default_factory=list)
     batch: list[ScheduledChunk] = field(default_factory=list)
     shutdown: bool = False
+    error: str | None = None  # why the worker stops (a divergence, a failed rank)
 
     @property
     def idle(self) -> bool:

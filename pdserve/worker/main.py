@@ -23,6 +23,12 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="/health answers 503 when the scheduler loop made no step for this many seconds")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may finish before they are aborted")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker (processes)")
+    p.add_argument("--check-divergence", type=int, default=0, metavar="K",
+                   help="every K steps, compare the TP ranks' scheduler-state digests and stop the "
+                        "worker with an error naming the first differing field (0: off)")
+    p.add_argument("--collective-timeout", type=float, default=60.0,
+                   help="seconds a rank waits in a collective before it gives up")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="exit when the parent process dies (used by `pdserve serve`)")
 
@@ -30,13 +36,23 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
 def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
     if args.exit_with_parent and sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    settings = WorkerSettings(role, args.worker_id, args.health_stall_timeout, args.drain_timeout)
-    worker = Worker(engine_config, settings)
+    settings = WorkerSettings(role, args.worker_id, args.health_stall_timeout, args.drain_timeout,
+                              args.tp, args.check_divergence, args.collective_timeout)
+    server: uvicorn.Server | None = None
+
+    def fatal() -> None:  # a dead rank or a divergence: the whole worker goes down
+        if server is not None:
+            server.should_exit = True
+
+    worker = Worker(engine_config, settings, on_fatal=fatal)
     worker.start()
     app = build_app(worker, str(args.model or "default"))
-    logger.info("%s worker %s listening on http://%s:%d", role, settings.worker_id, args.host, args.port)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           access_log=False))
+    logger.info("%s worker %s (tp=%d) listening on http://%s:%d", role, settings.worker_id, settings.tp,
+                args.host, args.port)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+        server.run()
     finally:
         worker.stop()
-    return 0
+    return 1 if worker.error else 0

@@ -94,7 +94,7 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
         sched = engine.scheduler
         return {"role": role, "worker_id": worker.settings.worker_id, "model": model_name,
                 "max_model_len": sched.config.max_model_len, "block_size": sched.config.block_size,
-                "num_blocks": sched.allocator.num_blocks, "tp": 1,
+                "num_blocks": sched.allocator.num_blocks, "tp": worker.settings.tp,
                 "eos_token_ids": sorted(sched.eos_token_ids)}
 
     @app.get("/load")
@@ -103,9 +103,9 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
 
     @app.get("/bootstrap")
     async def bootstrap():
-        if worker.agent is None or role != "decode":
+        if worker.bootstrap is None or role != "decode":
             return error(404, "only decode workers publish a transfer bootstrap")
-        return {"worker_id": worker.settings.worker_id, "ranks": [worker.agent.bootstrap_info().decode()]}
+        return {"worker_id": worker.settings.worker_id, "ranks": worker.bootstrap}
 
     @app.get("/metrics")
     async def metrics():

@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.distributed.groups import init_tp
 from pdserve.scheduler.plan import StepOutput
-from pdserve.transfer import agent_name
+
+from .hooks import TestHooks
+from .ranks import free_port, make_agent, share_bootstrap, spawn_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -30,6 +33,9 @@ class WorkerSettings:
     worker_id: str = ""
     health_stall_timeout: float = 10.0  # /health fails when the loop made no step for this long
     drain_timeout: float = 30.0
+    tp: int = 1
+    check_divergence: int = 0           # compare the ranks' state digests every K steps (0: off)
+    collective_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):
@@ -41,12 +47,19 @@ class WorkerSettings:
 class Worker:
     """Owns the engine, its loop thread and the map from request ids to their output queues."""
 
-    def __init__(self, engine_config: EngineConfig, settings: WorkerSettings):
+    def __init__(self, engine_config: EngineConfig, settings: WorkerSettings, on_fatal=None):
         self.settings = settings
+        self.on_fatal = on_fatal or (lambda: None)
         kv = {"both": "local", "prefill": "prefill", "decode": "decode"}[settings.role]
-        self.engine = LLMEngine(engine_config, kv_role=kv)
+        tp = comm = None
+        self.ranks = []
+        if settings.tp > 1:  # ranks 1..N-1 are child processes; this process is rank 0
+            port = free_port()
+            self.ranks = spawn_ranks(settings.tp, port, engine_config, settings)
+            tp, comm = init_tp(0, settings.tp, port, engine_config.device, settings.collective_timeout)
+        self.engine = LLMEngine(engine_config, kv, tp, comm, digest_every=settings.check_divergence)
         self.agent = None  # made on the loop thread: a NIXL agent is used by one thread only
-        self._agent_name = None if settings.role == "both" else agent_name(settings.role, settings.worker_id, 0)
+        self.bootstrap: list[str] | None = None
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -69,33 +82,37 @@ class Worker:
         if self.error:
             raise RuntimeError(self.error)
 
-    def _make_agent(self) -> None:
-        if self._agent_name is None:
-            return
-        from pdserve.transfer.nixl_source import NixlSource
-        from pdserve.transfer.nixl_target import NixlTarget
-
-        cls = NixlTarget if self.settings.role == "decode" else NixlSource
-        self.agent = cls(self._agent_name, self.engine.pool.tensors())
-        self.engine.attach_transfer(self.agent, rank=0)
-        logger.info("transfer agent %s registered %d KV tensors", self._agent_name,
-                    len(self.engine.pool.tensors()))
-
     def _run(self) -> None:
         try:
-            self._make_agent()
+            self.agent = make_agent(self.settings.role, self.settings.worker_id, 0, self.engine)
+            self.bootstrap = share_bootstrap(self.engine.comm, self.agent)
+            TestHooks.from_env(0).install(self.engine)
         except Exception as e:  # noqa: BLE001 - reported to start()
             self.error = f"cannot start the transfer agent: {e}"
             self._ready.set()
             return
         self._ready.set()
-        while not self._stop.is_set():
-            try:
-                outputs = self.engine.step()
-            except Exception:
-                logger.exception("the scheduler loop failed; the worker stops")
-                self.error = "the scheduler loop failed"
-                self._fail_all("the worker's scheduler loop failed")
+        try:
+            self._loop()
+        except Exception as e:  # a failed step or a dead rank: fail every request, stop the worker
+            logger.exception("the scheduler loop failed; the worker stops")
+            self.error = f"the scheduler loop failed: {e}"
+            self._fail_all(self.error)
+            self.on_fatal()
+        finally:
+            if self.agent is not None:
+                self.agent.close()
+
+    def _loop(self) -> None:
+        while True:
+            dead = [p.name for p in self.ranks if not p.is_alive()]
+            if dead:
+                raise RuntimeError(f"TP rank process {dead[0]} died")
+            stopping = self._stop.is_set()
+            plan, outputs = self.engine.step(shutdown=stopping)
+            if plan.error:
+                raise RuntimeError(plan.error)
+            if stopping:
                 return
             now = time.monotonic()
             if self.agent is not None and now - self._snapshot_at > 0.1:
@@ -107,8 +124,6 @@ class Worker:
             if not self.engine.has_work():
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
-        if self.agent is not None:
-            self.agent.close()
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         with self._lock:
@@ -125,6 +140,10 @@ class Worker:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=10)
+        for p in self.ranks:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
 
     # ---- called from asyncio handlers ----------------------------------------------------
 

@@ -1,0 +1,81 @@
+"""The two collectives of a lockstep step, on the control group: agree and broadcast.
+
+Both move fixed-size byte buffers, so no collective's shape ever depends on a rank's local
+state: `agree` gathers every rank's observations to rank 0, `broadcast` sends rank 0's plan to
+every rank. A single-rank worker uses `LocalComm`, which does neither.
+"""
+from __future__ import annotations
+
+import pickle
+import struct
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .trace import CollectiveTrace
+
+_HEADER = struct.Struct("<Q")
+
+
+class MessageTooLarge(Exception):
+    """A message does not fit its fixed buffer (the sender must send less per step)."""
+
+
+def pack(obj: Any, size: int) -> torch.Tensor:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    if len(data) + _HEADER.size > size:
+        raise MessageTooLarge(f"{len(data)} bytes do not fit a {size}-byte buffer")
+    buf = torch.zeros(size, dtype=torch.uint8)
+    buf[:_HEADER.size] = torch.frombuffer(bytearray(_HEADER.pack(len(data))), dtype=torch.uint8)
+    buf[_HEADER.size:_HEADER.size + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buf
+
+
+def unpack(buf: torch.Tensor) -> Any:
+    raw = buf.numpy().tobytes()
+    (n,) = _HEADER.unpack_from(raw)
+    return pickle.loads(raw[_HEADER.size:_HEADER.size + n])
+
+
+class LocalComm:
+    """One rank: agree returns this rank's observation, broadcast returns the plan as is."""
+
+    rank, size = 0, 1
+
+    def __init__(self, trace: CollectiveTrace | None = None) -> None:
+        self.trace = trace or CollectiveTrace()
+
+    def agree(self, observation: Any) -> list[Any] | None:
+        self.trace.record("agree")
+        return [observation]
+
+    def broadcast(self, plan: Any) -> Any:
+        self.trace.record("broadcast")
+        return plan
+
+
+class GroupComm(LocalComm):
+    """Ranks of one TP group over a (gloo) control process group."""
+
+    def __init__(self, rank: int, size: int, group: Any, observation_bytes: int = 1 << 16,
+                 plan_bytes: int = 1 << 20, trace: CollectiveTrace | None = None):
+        super().__init__(trace)
+        self.rank, self.size, self.group = rank, size, group
+        self.observation_bytes, self.plan_bytes = observation_bytes, plan_bytes
+        self._plan_buf = torch.zeros(plan_bytes, dtype=torch.uint8)
+
+    def agree(self, observation: Any) -> list[Any] | None:
+        """Every rank's observation, at rank 0 (None elsewhere). One gather of fixed size."""
+        self.trace.record("agree")
+        mine = pack(observation, self.observation_bytes)
+        parts = [torch.empty_like(mine) for _ in range(self.size)] if self.rank == 0 else None
+        dist.gather(mine, parts, dst=0, group=self.group)
+        return [unpack(p) for p in parts] if parts is not None else None
+
+    def broadcast(self, plan: Any) -> Any:
+        """Rank 0's plan on every rank. One broadcast of fixed size."""
+        self.trace.record("broadcast")
+        buf = pack(plan, self.plan_bytes) if self.rank == 0 else self._plan_buf
+        dist.broadcast(buf, src=0, group=self.group)
+        return plan if self.rank == 0 else unpack(buf)

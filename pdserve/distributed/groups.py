@@ -1,0 +1,23 @@
+"""Process groups of one worker's TP ranks: one for the model's collectives (gloo on CPU, nccl
+on GPU) and a separate CPU gloo group for the lockstep control collectives."""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .comm import GroupComm
+from .group import TPGroup
+from .trace import CollectiveTrace
+
+
+def init_tp(rank: int, size: int, port: int, device: str = "cpu", timeout_s: float = 60.0,
+            trace: CollectiveTrace | None = None) -> tuple[TPGroup, GroupComm]:
+    """Join the TP group of `size` ranks rendezvousing on 127.0.0.1:`port`."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout_s))
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    model_group = dist.new_group(backend=backend) if backend != "gloo" else dist.group.WORLD
+    control = dist.new_group(backend="gloo")
+    trace = trace or CollectiveTrace()
+    return TPGroup(rank, size, model_group, trace), GroupComm(rank, size, control, trace=trace)

@@ -1,0 +1,47 @@
+"""Router settings: one dataclass, built from CLI flags (or keyword arguments in tests)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_ALIASES = ("", "default")
+
+
+@dataclass
+class RouterConfig:
+    model_dir: Path                       # the tokenizer and chat template come from here
+    served_model_name: str                # what /v1/models lists and requests must name
+    aliases: tuple[str, ...] = ()         # other names accepted in "model" (e.g. the --model path)
+    prefill_urls: list[str] = field(default_factory=list)
+    decode_urls: list[str] = field(default_factory=list)
+    worker_urls: list[str] = field(default_factory=list)   # colocated workers (role "both")
+    api_key: str | None = None
+    stream_batch: int = 1                 # up to this many tokens per SSE event
+    max_request_bytes: int = 8 << 20      # larger bodies get 413
+    max_model_len: int | None = None      # None: the smallest of the workers' /info
+    health_interval_s: float = 0.5        # how often every worker's /health and /load are polled
+    health_timeout_s: float = 1.0         # one probe's deadline
+    dead_after_s: float = 1.5             # no good answer for this long: out, in-flight failed
+    abort_timeout_s: float = 2.0
+    connect_timeout_s: float = 3.0
+    inline_tokenize_chars: int = 4096     # longer prompts are tokenized off the event loop
+
+    def __post_init__(self) -> None:
+        if self.stream_batch < 1:
+            raise ValueError("stream_batch must be >= 1")
+        if not self.worker_urls and not (self.prefill_urls and self.decode_urls):
+            raise ValueError("give --prefill and --decode worker URLs, or --worker for colocated ones")
+
+    @property
+    def model_names(self) -> frozenset[str]:
+        return frozenset((self.served_model_name, *self.aliases))
+
+
+def served_name(model: str | None, explicit: str | None = None) -> tuple[str, tuple[str, ...]]:
+    """(name, aliases) for a ``--model`` value: the default model is SmolLM2-135M-Instruct."""
+    if explicit:
+        return explicit, tuple(a for a in (model,) if a and a != explicit)
+    if model is None or model in DEFAULT_MODEL_ALIASES:
+        return DEFAULT_MODEL_NAME, ("default",)
+    return model, (Path(model).name,) if Path(model).name != model else ()

@@ -1,0 +1,183 @@
+"""Choice events → OpenAI response bodies and stream chunks (chat and text completions).
+
+A renderer keeps each choice's text, token count and logprobs. ``absorb`` takes one event and
+returns the stream chunk for it (None when it carries nothing to send); ``response`` is the
+non-streaming body, built from the same state.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdserve.frontend.choice import ChoiceEvent
+from pdserve.frontend.output import TokenLogprob
+from pdserve.tokenizer import Tokenizer
+
+
+@dataclass
+class ChoiceState:
+    pieces: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_tokens: int = 0
+    offset: int = 0  # characters of text so far (completion logprobs' text_offset)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def token_text(tokenizer: Tokenizer, token_id: int) -> str:
+    return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+
+class Renderer:
+    """What chat and text completions share: ids, envelopes, usage, per-choice state."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, response_id: str, model: str, num_choices: int, prompt_tokens: int,
+                 tokenizer: Tokenizer, include_usage: bool = False) -> None:
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.prompt_tokens = prompt_tokens
+        self.tokenizer = tokenizer
+        self.include_usage = include_usage
+        self.choices = [ChoiceState() for _ in range(num_choices)]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.choices)
+
+    def usage(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, self.completion_tokens)
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {"id": self.id, "object": self.chunk_object_name, "created": self.created,
+                               "model": self.model, "choices": choices}
+        if self.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self) -> dict[str, Any]:
+        return {"id": self.id, "object": self.chunk_object_name, "created": self.created,
+                "model": self.model, "choices": [], "usage": self.usage()}
+
+    def _update(self, ev: ChoiceEvent, text: str) -> ChoiceState:
+        state = self.choices[ev.index]
+        state.num_tokens = ev.num_tokens
+        if text:
+            state.pieces.append(text)
+        if ev.batch is not None:
+            state.logprobs.extend(ev.batch.logprobs)
+        if ev.finish_reason is not None:
+            state.finish_reason = ev.finish_reason
+        return state
+
+
+class ChatRenderer(Renderer):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def __init__(self, *args: Any, top_logprobs: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.top_logprobs = top_logprobs  # None: no logprobs
+
+    def opening(self) -> list[dict[str, Any]]:
+        """The first chunk of every choice names the role, as OpenAI's do."""
+        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+                for i in range(len(self.choices))]
+
+    def absorb(self, ev: ChoiceEvent) -> dict[str, Any] | None:
+        content = ev.batch.delta.content if ev.batch is not None else ""
+        self._update(ev, content)
+        lps = ev.batch.logprobs if ev.batch is not None else []
+        if not content and not lps and ev.finish_reason is None:
+            return None
+        delta = {"content": content} if content else {}
+        return self.chunk([{"index": ev.index, "delta": delta, "logprobs": self._logprobs(lps),
+                            "finish_reason": ev.finish_reason}])
+
+    def response(self) -> dict[str, Any]:
+        choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason}
+                   for i, c in enumerate(self.choices)]
+        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+        if self.top_logprobs is None:
+            return None
+        return {"content": [self._entry(lp) for lp in lps], "refusal": None}
+
+    def _entry(self, lp: TokenLogprob) -> dict[str, Any]:
+        tok = self.tokenizer
+        top = [{"token": token_text(tok, t), "logprob": v, "bytes": list(tok.token_bytes(t))}
+               for t, v in lp.top[: self.top_logprobs]]
+        return {"token": token_text(tok, lp.token_id), "logprob": lp.logprob,
+                "bytes": list(tok.token_bytes(lp.token_id)), "top_logprobs": top}
+
+
+class CompletionRenderer(Renderer):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def __init__(self, *args: Any, echo: list[str] | None = None, logprobs: int | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.echo = echo          # per choice: the prompt text to print before the output
+        self.logprobs = logprobs  # None: no logprobs; N: the top N alternatives
+        for state, prefix in zip(self.choices, echo or []):
+            state.offset = len(prefix)
+
+    def opening(self) -> list[dict[str, Any]]:
+        if not self.echo:
+            return []
+        return [self.chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
+                for i, text in enumerate(self.echo)]
+
+    def absorb(self, ev: ChoiceEvent) -> dict[str, Any] | None:
+        text = ev.batch.delta.content if ev.batch is not None else ""
+        state = self.choices[ev.index]
+        start = state.offset
+        self._update(ev, text)
+        lps = ev.batch.logprobs if ev.batch is not None else []
+        formatted = self._logprobs(lps, start)
+        state.offset = start + sum(len(token_text(self.tokenizer, lp.token_id)) for lp in lps)
+        if not text and not lps and ev.finish_reason is None:
+            return None
+        return self.chunk([{"index": ev.index, "text": text, "logprobs": formatted,
+                            "finish_reason": ev.finish_reason}])
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for i, c in enumerate(self.choices):
+            prefix = self.echo[i] if self.echo else ""
+            choices.append({"index": i, "text": prefix + c.text,
+                            "logprobs": self._logprobs(c.logprobs, len(prefix)),
+                            "finish_reason": c.finish_reason})
+        return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
+                "choices": choices, "usage": self.usage()}
+
+    def _logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
+        if self.logprobs is None:
+            return None
+        tok = self.tokenizer
+        tokens, offsets = [], []
+        for lp in lps:
+            text = token_text(tok, lp.token_id)
+            tokens.append(text)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{token_text(tok, t): v for t, v in lp.top[: self.logprobs]} for lp in lps],
+                "text_offset": offsets}

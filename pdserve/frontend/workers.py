@@ -1,0 +1,189 @@
+"""The workers the router knows, their health and load, and which ones a new request goes to.
+
+A poller asks every worker for /health and /load every ``health_interval_s``. A worker whose
+port refuses connections, or that has not answered well for ``dead_after_s``, or that reports
+itself wedged, is taken out of rotation and every request in flight on it is failed at once
+(so a client learns within about two seconds, not at a read timeout). A draining worker only
+stops getting new requests. A worker is put back as soon as it answers healthy again.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple, Protocol
+
+from pdserve.frontend.backend import Probe, WorkerClient, WorkerLoad
+from pdserve.frontend.errors import APIError, unavailable
+
+logger = logging.getLogger(__name__)
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"
+
+
+class InFlight(Protocol):
+    """A request on a worker that can be failed from outside (a ChoiceRun)."""
+
+    def fail(self, error: APIError) -> None: ...
+
+
+@dataclass(eq=False)
+class Worker:
+    url: str
+    role: Role
+    healthy: bool = False
+    draining: bool = False
+    status: str = "unknown"
+    info: dict[str, Any] | None = None
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    last_ok: float = 0.0
+    last_pick: float = 0.0
+    inflight: set[InFlight] = field(default_factory=set)
+
+    @property
+    def worker_id(self) -> str | None:
+        """From /info; decode workers need a prefill worker's id to watch the peer of a room."""
+        value = (self.info or {}).get("worker_id")
+        return str(value) if value else None
+
+    @property
+    def available(self) -> bool:
+        """Takes new requests (a prefill worker only once its worker id is known)."""
+        return self.healthy and not self.draining and (self.role is not Role.PREFILL or bool(self.worker_id))
+
+    def score(self) -> int:
+        """Requests queued or running here: the worker's last report, or the router's own count
+        of requests it sent since then, whichever is larger."""
+        return max(self.load.queued, len(self.inflight))
+
+
+class Route(NamedTuple):
+    decode: Worker            # decode or colocated worker: it streams the tokens
+    prefill: Worker | None    # None when `decode` is a colocated ("both") worker
+
+
+class WorkerPool:
+    def __init__(self, client: WorkerClient, prefill: list[str], decode: list[str], both: list[str],
+                 *, interval_s: float = 0.5, timeout_s: float = 1.0, dead_after_s: float = 1.5,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_health: Callable[[Worker], None] | None = None) -> None:
+        self.client = client
+        self.workers = ([Worker(_norm(u), Role.PREFILL) for u in prefill]
+                        + [Worker(_norm(u), Role.DECODE) for u in decode]
+                        + [Worker(_norm(u), Role.BOTH) for u in both])
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.dead_after_s = dead_after_s
+        self.clock = clock
+        self.on_health = on_health
+
+    # ---- choosing ------------------------------------------------------------------------------
+
+    def of_role(self, role: Role) -> list[Worker]:
+        return [w for w in self.workers if w.role is role]
+
+    @property
+    def ready(self) -> bool:
+        """At least one prefill and one decode worker, or one colocated worker, take requests."""
+        up = {w.role for w in self.workers if w.available}
+        return Role.BOTH in up or {Role.PREFILL, Role.DECODE} <= up
+
+    def pick(self) -> Route:
+        """The least-loaded decode-capable worker, and for a decode worker the least-loaded prefill."""
+        prefill = _least_loaded([w for w in self.of_role(Role.PREFILL) if w.available])
+        candidates = [w for w in self.workers if w.available and
+                      (w.role is Role.BOTH or (w.role is Role.DECODE and prefill is not None))]
+        decode = _least_loaded(candidates)
+        if decode is None:
+            raise unavailable("No worker is available to serve the request; try again later.")
+        now = self.clock()
+        decode.last_pick = now
+        if decode.role is Role.BOTH or prefill is None:  # a decode worker implies a prefill one
+            return Route(decode, None)
+        prefill.last_pick = now
+        return Route(decode, prefill)
+
+    @property
+    def max_model_len(self) -> int | None:
+        lens = [int(w.info["max_model_len"]) for w in self.workers
+                if w.info and isinstance(w.info.get("max_model_len"), int)]
+        return min(lens) if lens else None
+
+    # ---- health --------------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Poll every worker on its own schedule, forever (cancel to stop)."""
+        await asyncio.gather(*(self._poll(w) for w in self.workers))
+
+    async def _poll(self, w: Worker) -> None:
+        while True:
+            started = self.clock()
+            try:
+                await self.probe(w)
+            except Exception:  # a probe must never end the poller
+                logger.exception("probing worker %s failed", w.url)
+            await asyncio.sleep(max(0.0, self.interval_s - (self.clock() - started)))
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(w) for w in self.workers))
+
+    async def probe(self, w: Worker) -> None:
+        probe = await self.client.health(w.url, self.timeout_s)
+        if probe.ok and w.info is None:
+            w.info = await self.client.info(w.url, self.timeout_s)
+            self._check_role(w)
+        if probe.ok:
+            load = await self.client.load(w.url, self.timeout_s)
+            if load is not None:
+                w.load = load
+        self.observe(w, probe)
+
+    def observe(self, w: Worker, probe: Probe) -> None:
+        """Apply one probe result to a worker (pure state change; no I/O)."""
+        now = self.clock()
+        was = (w.healthy, w.draining)
+        w.status = probe.status
+        if probe.ok:
+            w.healthy, w.draining, w.last_ok = True, False, now
+        elif probe.answered and probe.status == "draining":
+            w.healthy, w.draining, w.last_ok = True, True, now
+        elif probe.answered or probe.status == "refused" or now - w.last_ok >= self.dead_after_s:
+            # It says it is unwell (wedged, failed), its port is closed, or it stopped answering.
+            self.take_out(w, f"worker {w.url} ({w.role.value}) is {probe.status}")
+        if (w.healthy, w.draining) != was:
+            logger.info("worker %s (%s) is now %s", w.url, w.role.value,
+                        "draining" if w.draining else "healthy" if w.healthy else "out of rotation")
+            if self.on_health is not None:
+                self.on_health(w)
+
+    def take_out(self, w: Worker, reason: str) -> None:
+        """Out of rotation; its in-flight requests fail now with 503."""
+        w.healthy = w.draining = False
+        w.info = None  # read again when it comes back: it may be a new process
+        victims = list(w.inflight)
+        w.inflight.clear()
+        if victims:
+            logger.warning("%s: failing %d request(s) in flight on it", reason, len(victims))
+        for run in victims:
+            run.fail(unavailable(f"{reason}; the request was stopped."))
+
+    def _check_role(self, w: Worker) -> None:
+        role = (w.info or {}).get("role")
+        if role is not None and role != w.role.value:
+            logger.warning("worker %s reports role %r but was given as %s", w.url, role, w.role.value)
+
+
+def _least_loaded(workers: list[Worker]) -> Worker | None:
+    return min(workers, key=lambda w: (w.score(), w.last_pick), default=None)
+
+
+def _norm(url: str) -> str:
+    url = url.strip().rstrip("/")
+    return url if "://" in url else f"http://{url}"

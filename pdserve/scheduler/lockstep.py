@@ -1,0 +1,169 @@
+"""The lockstep loop: every rank of a TP group runs observe → agree → broadcast → apply, and
+nothing else, so no rank can be in a different collective than another.
+
+1. Observe: rank 0 has drained its inbox; every rank drains its own transfer results.
+2. Agree: one fixed-size gather brings every rank's observations to rank 0, which turns inbox,
+   observations and its clock into a `StepPlan` (a transfer is complete only when complete on
+   every rank, failed when failed on any).
+3. Broadcast: one fixed-size broadcast delivers the plan.
+4. Apply: every rank applies the plan in the same order and runs the batch; the model's
+   collectives follow from the plan alone. Only rank 0 samples; its tokens travel in the next
+   step's plan.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .plan import Inbox, SampledToken, StepOutput, StepPlan, TransferOutcome
+from .scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+MAX_OUTCOMES_PER_STEP = 256  # keeps one rank's observation inside its fixed-size buffer
+
+
+@dataclass
+class Observation:
+    """What one rank saw since the last step."""
+
+    rank: int
+    transfers: list[TransferOutcome] = field(default_factory=list)
+    digest: dict[str, str] | None = None  # state digest after the previous step (every K steps)
+    digest_step: int = -1
+
+
+class TransferAgreement:
+    """Rank 0's view of every room across ranks: per-rank results → agreed outcomes."""
+
+    def __init__(self, size: int, remember: int = 100_000):
+        self.size = size
+        self._rooms: dict[str, dict] = {}
+        self._ended: OrderedDict[str, None] = OrderedDict()  # settled rooms: late reports dropped
+        self._remember = remember
+
+    def add(self, observations: list[Observation]) -> list[TransferOutcome]:
+        out: list[TransferOutcome] = []
+        touched: list[str] = []
+        for obs in observations:
+            for t in obs.transfers:
+                if t.request_id in self._ended:
+                    continue
+                room = self._rooms.setdefault(t.request_id, {"kinds": {}, "token": None, "error": None,
+                                                             "failed": False})
+                room["kinds"].setdefault(obs.rank, set()).add(t.kind)
+                if t.kind == "arrived" and obs.rank == 0:
+                    room["token"] = t.token
+                if t.kind == "failed" and room["error"] is None:
+                    room["error"] = f"rank {obs.rank}: {t.error}"
+                touched.append(t.request_id)
+        for rid in dict.fromkeys(touched):
+            out += self._decide(rid)
+        return out
+
+    def _decide(self, rid: str) -> list[TransferOutcome]:
+        room = self._rooms[rid]
+        kinds = [room["kinds"].get(r, set()) for r in range(self.size)]
+        out = []
+        if not room["failed"] and any("failed" in k for k in kinds):
+            room["failed"] = True
+            out.append(TransferOutcome(rid, "failed", error=room["error"]))
+        if room["failed"] or any("fenced" in k for k in kinds):
+            if all(k & {"fenced", "arrived", "written"} for k in kinds):  # nothing can write any more
+                out.append(TransferOutcome(rid, "fenced"))
+                self._end(rid)
+        elif all("arrived" in k for k in kinds):
+            out.append(TransferOutcome(rid, "arrived", room["token"]))
+            self._end(rid)
+        elif all("written" in k for k in kinds):
+            out.append(TransferOutcome(rid, "written"))
+            self._end(rid)
+        return out
+
+    def _end(self, rid: str) -> None:
+        del self._rooms[rid]
+        self._ended[rid] = None
+        if len(self._ended) > self._remember:
+            self._ended.popitem(last=False)
+
+
+def state_digest(scheduler: Scheduler, trace_digest: str) -> dict[str, str]:
+    """Per-field digests of the scheduler state: equal on every rank, or the ranks diverged."""
+    def h(value: object) -> str:
+        return hashlib.blake2b(repr(value).encode(), digest_size=8).hexdigest()
+    seqs = sorted(scheduler.seqs.items())
+    return {
+        "waiting": h([s.request_id for s in scheduler.waiting]),
+        "running": h([s.request_id for s in scheduler.running]),
+        "held": h(sorted((r, s.finish_reason) for r, s in scheduler.held.items())),
+        "progress": h([(r, s.num_computed, len(s.output_ids)) for r, s in seqs]),
+        "block_tables": h([(r, s.block_table) for r, s in seqs] +
+                          sorted((r, s.block_table) for r, s in scheduler.held.items())),
+        "pool": h((scheduler.allocator.num_free, scheduler.allocator.num_used)),
+        "collectives": trace_digest,
+    }
+
+
+def first_divergence(observations: list[Observation]) -> str | None:
+    """A message naming the first rank and field whose digest differs from rank 0's, or None."""
+    ref = observations[0]
+    for obs in observations[1:]:
+        if obs.digest is None or ref.digest is None:
+            continue
+        for name, value in ref.digest.items():
+            if obs.digest.get(name) != value:
+                return (f"TP ranks diverged: rank {obs.rank} differs from rank 0 in {name!r} "
+                        f"after step {ref.digest_step}")
+    return None
+
+
+class LockstepLoop:
+    """One TP rank's loop body. `run_batch(batch, sample)` runs the forward (all ranks) and
+    samples (rank 0 only); `link` is this rank's transfer agent adapter, if any."""
+
+    def __init__(self, scheduler: Scheduler, comm, run_batch: Callable, link=None,
+                 digest_every: int = 0, trace=None):
+        self.scheduler, self.comm, self.run_batch, self.link = scheduler, comm, run_batch, link
+        self.rank = comm.rank
+        self.agreement = TransferAgreement(comm.size)
+        self.digest_every = digest_every  # 0: off
+        self.trace = trace
+        self.sampled: list[SampledToken] = []
+        self.step_no = 0
+        self._backlog: list[TransferOutcome] = []
+        self._digest: dict[str, str] | None = None
+        self._digest_step = -1
+
+    def step(self, inbox: Inbox) -> tuple[StepPlan, list[StepOutput]]:
+        # 1. observe
+        if self.link is not None:
+            self._backlog += self.link.observe()
+        mine, self._backlog = self._backlog[:MAX_OUTCOMES_PER_STEP], self._backlog[MAX_OUTCOMES_PER_STEP:]
+        obs = Observation(self.rank, mine, self._digest, self._digest_step)
+        self._digest = None
+        # 2. agree (+ plan on rank 0)
+        observations = self.comm.agree(obs)
+        plan = None
+        if self.rank == 0:
+            transfers = self.agreement.add(observations)
+            plan = self.scheduler.plan(self.step_no, inbox, self.sampled, transfers)
+            error = first_divergence(observations)
+            if error:
+                logger.error("%s; stopping the worker", error)
+                plan.shutdown, plan.error = True, error
+        # 3. broadcast
+        plan = self.comm.broadcast(plan)
+        # 4. apply
+        outputs, batch = self.scheduler.apply(plan)
+        if self.link is not None:
+            self.link.act(plan, outputs, self.scheduler.held)
+        sampled = self.run_batch(batch, self.rank == 0)
+        self.sampled = sampled if self.rank == 0 else []
+        if self.digest_every and (self.step_no + 1) % self.digest_every == 0:
+            self._digest = state_digest(self.scheduler, self.trace.digest() if self.trace else "")
+            self._digest_step = self.step_no
+        self.step_no += 1
+        return plan, outputs

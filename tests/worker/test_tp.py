@@ -1,0 +1,120 @@
+"""Tensor parallelism: TP=2/4 (tiny model, 4 KV heads) and TP=3 (default model, 3 KV heads)
+give the greedy tokens of TP=1, colocated and PD; a dead rank takes the worker down."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+
+from .conftest import PDClient, pool_full, start_worker, wait_for
+
+GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
+PROMPTS = [[5, 17, 99, 4, 8, 150], [200, 3, 3, 8, 61, 7, 12, 40, 41, 42], [42] * 9, [1, 2, 3],
+           list(range(10, 80))]
+
+
+def reference(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(model=model_dir))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(**GREEDY))
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    for o in engine.run_until_done():
+        if o.token_id is not None:
+            out[o.request_id].append(o.token_id)
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def near_tie(model_dir: str, prompt: list[int], ours: list[int], ref: list[int]) -> bool:
+    """The first differing position follows a top-2 logit margin below 1e-3 (reference model)."""
+    i = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + ref[:i]])).logits[0, -1]
+    top = logits.topk(2).values
+    return float(top[0] - top[1]) < 1e-3
+
+
+def run_all(prefill, decode, prompts, prefix="tp") -> list[list[int]]:
+    async def go():
+        c = PDClient(prefill, decode)
+        return await asyncio.gather(*(c.generate(f"{prefix}-{i}", p, GREEDY) for i, p in enumerate(prompts)))
+    results = asyncio.run(asyncio.wait_for(go(), 300))
+    for tokens, reason, err in results:
+        assert err is None, err
+    return [r[0] for r in results]
+
+
+def assert_equal_greedy(model_dir, prompts, got, ref):
+    for p, g, r in zip(prompts, got, ref):
+        assert g == r or near_tie(model_dir, p, g, r), (p, g, r)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_colocated_and_pd_equal_tp1(tiny_llama4_dir, tp):
+    ref = reference(tiny_llama4_dir, PROMPTS)
+    both = start_worker("both", tiny_llama4_dir, "--tp", str(tp), "--check-divergence", "4")
+    try:
+        assert_equal_greedy(tiny_llama4_dir, PROMPTS, run_all(None, both, PROMPTS), ref)
+        assert both.get("/health").status_code == 200  # no divergence was found
+    finally:
+        both.stop()
+    if tp != 2:
+        return
+    prefill = start_worker("prefill", tiny_llama4_dir, "--tp", "2", "--check-divergence", "4")
+    decode = start_worker("decode", tiny_llama4_dir, "--tp", "2", "--check-divergence", "4")
+    try:
+        assert_equal_greedy(tiny_llama4_dir, PROMPTS, run_all(prefill, decode, PROMPTS), ref)
+        wait_for(lambda: pool_full(prefill) and pool_full(decode), 20, "pools full")
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_tp3_on_the_default_model(default_model_dir):
+    from pdserve.tokenizer import Tokenizer
+
+    tok = Tokenizer(default_model_dir)
+    prompts = [tok.encode(t) for t in ("The capital of France is", "def add(a, b):", "Roses are red,")]
+    ref = reference(default_model_dir, prompts)
+    prefill = start_worker("prefill", default_model_dir, "--tp", "3")
+    decode = start_worker("decode", default_model_dir, "--tp", "3")
+    try:
+        assert_equal_greedy(default_model_dir, prompts, run_all(prefill, decode, prompts), ref)
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+@pytest.mark.e2e
+@pytest.mark.chaos
+@pytest.mark.timeout(300)
+def test_killing_one_rank_takes_the_worker_down(tiny_llama4_dir):
+    both = start_worker("both", tiny_llama4_dir, "--tp", "2")
+    try:
+        children = [int(p) for p in os.popen(f"pgrep -P {both.proc.pid}").read().split()]
+        ranks = [pid for pid in children if "pdserve" in open(f"/proc/{pid}/cmdline").read()
+                 or "multiprocessing" in open(f"/proc/{pid}/cmdline").read()]
+        assert ranks, children
+        os.kill(ranks[-1], signal.SIGKILL)
+        t0 = time.monotonic()
+        both.proc.wait(timeout=60)  # the worker exits instead of waiting forever
+        assert time.monotonic() - t0 < 60
+        assert both.proc.returncode != 0
+        for pid in children:
+            assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    finally:
+        both.kill()
