@@ -22,26 +22,26 @@ class MessageTooLarge(Exception):
     """A message does not fit its fixed buffer (the sender must send less per step)."""
 
 
-def pack(obj: Any, size: int) -> torch.Tensor:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    if len(data) + _HEADER.size > size:
-        raise MessageTooLarge(f"{len(data)} bytes do not fit a {size}-byte buffer")
-    buf = torch.zeros(size, dtype=torch.uint8)
-    buf[:_HEADER.size] = torch.frombuffer(bytearray(_HEADER.pack(len(data))), dtype=torch.uint8)
-    buf[_HEADER.size:_HEADER.size + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+def pack(obj: Any, buf: torch.Tensor) -> torch.Tensor:
+    """Write `obj` into the fixed-size byte tensor `buf` (length header, then pickle)."""
+    data = _HEADER.pack(len(body := pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))) + body
+    if len(data) > buf.numel():
+        raise MessageTooLarge(f"{len(data)} bytes do not fit a {buf.numel()}-byte buffer")
+    buf.numpy()[:len(data)] = memoryview(data)
     return buf
 
 
 def unpack(buf: torch.Tensor) -> Any:
-    raw = buf.numpy().tobytes()
-    (n,) = _HEADER.unpack_from(raw)
-    return pickle.loads(raw[_HEADER.size:_HEADER.size + n])
+    view = buf.numpy()
+    (n,) = _HEADER.unpack_from(view[:_HEADER.size].tobytes())
+    return pickle.loads(view[_HEADER.size:_HEADER.size + n].tobytes())
 
 
 class LocalComm:
     """One rank: agree returns this rank's observation, broadcast returns the plan as is."""
 
     rank, size = 0, 1
+    plan_bytes: int | None = None  # no limit: nothing is sent
 
     def __init__(self, trace: CollectiveTrace | None = None) -> None:
         self.trace = trace or CollectiveTrace()
@@ -58,24 +58,26 @@ class LocalComm:
 class GroupComm(LocalComm):
     """Ranks of one TP group over a (gloo) control process group."""
 
-    def __init__(self, rank: int, size: int, group: Any, observation_bytes: int = 1 << 16,
-                 plan_bytes: int = 1 << 20, trace: CollectiveTrace | None = None):
+    def __init__(self, rank: int, size: int, group: Any, observation_bytes: int = 1 << 14,
+                 plan_bytes: int = 1 << 17, trace: CollectiveTrace | None = None):
         super().__init__(trace)
         self.rank, self.size, self.group = rank, size, group
         self.observation_bytes, self.plan_bytes = observation_bytes, plan_bytes
         self._plan_buf = torch.zeros(plan_bytes, dtype=torch.uint8)
+        self._obs_buf = torch.zeros(observation_bytes, dtype=torch.uint8)
+        self._obs_parts = [torch.zeros(observation_bytes, dtype=torch.uint8) for _ in range(size)]
 
     def agree(self, observation: Any) -> list[Any] | None:
         """Every rank's observation, at rank 0 (None elsewhere). One gather of fixed size."""
         self.trace.record("agree")
-        mine = pack(observation, self.observation_bytes)
-        parts = [torch.empty_like(mine) for _ in range(self.size)] if self.rank == 0 else None
+        mine = pack(observation, self._obs_buf)
+        parts = self._obs_parts if self.rank == 0 else None
         dist.gather(mine, parts, dst=0, group=self.group)
         return [unpack(p) for p in parts] if parts is not None else None
 
     def broadcast(self, plan: Any) -> Any:
         """Rank 0's plan on every rank. One broadcast of fixed size."""
         self.trace.record("broadcast")
-        buf = pack(plan, self.plan_bytes) if self.rank == 0 else self._plan_buf
+        buf = pack(plan, self._plan_buf) if self.rank == 0 else self._plan_buf
         dist.broadcast(buf, src=0, group=self.group)
         return plan if self.rank == 0 else unpack(buf)

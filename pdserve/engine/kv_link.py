@@ -62,6 +62,9 @@ class KVLink:
         for rid, _ in plan.aborted:
             self.agent.abort(rid)  # idempotent; unknown rooms become tombstones
             self._peers.pop(rid, None)
+        for t in plan.transfers:
+            if t.kind == "failed":  # failed on some rank: stop it on every rank, so all can fence
+                self.agent.abort(t.request_id)
         if self.is_target:
             for req in plan.admitted:
                 if req.kv == "decode":

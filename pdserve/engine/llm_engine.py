@@ -68,6 +68,7 @@ class LLMEngine:
         self.kv_role = kv_role
         self.loop = LockstepLoop(self.scheduler, self.comm, self.runner.run, None, digest_every, self.trace)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._carry: list = []  # inbox items held back by the plan-size budget
         self._aborted: dict[str, float] = {}  # recent aborts: a late add of the same id is refused
 
     def attach_transfer(self, agent, rank: int = 0) -> None:
@@ -89,12 +90,21 @@ class LLMEngine:
     def _drain(self) -> Inbox:
         inbox = Inbox()
         now = time.monotonic()
+        # a TP plan travels in a fixed-size buffer: admit at most what fits, the rest next step
+        budget = (self.comm.plan_bytes or 1 << 62) // 2
+        items, self._carry = self._carry, []
         while True:
             try:
-                item = self._inbox.get_nowait()
+                items.append(self._inbox.get_nowait())
             except queue.Empty:
                 break
+        for item in items:
             if isinstance(item, NewRequest):
+                cost = 8 * len(item.prompt_ids) + 1024
+                if cost > budget and inbox.new:
+                    self._carry.append(item)
+                    continue
+                budget -= cost
                 inbox.new.append(item)
                 if item.request_id in self._aborted:  # the abort overtook the request
                     inbox.aborts.append((item.request_id, "abort"))
@@ -116,7 +126,8 @@ class LLMEngine:
         return plan, outputs
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or bool(self.loop.sampled) or not self._inbox.empty()
+        return (self.scheduler.has_work() or bool(self.loop.sampled) or bool(self._carry)
+                or not self._inbox.empty())
 
     @torch.inference_mode()
     def run_until_done(self) -> list[StepOutput]:

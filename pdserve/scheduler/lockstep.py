@@ -23,7 +23,7 @@ from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-MAX_OUTCOMES_PER_STEP = 256  # keeps one rank's observation inside its fixed-size buffer
+MAX_OUTCOMES_PER_STEP = 64  # keeps one rank's observation inside its fixed-size buffer
 
 
 @dataclass
