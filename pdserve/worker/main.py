@@ -6,6 +6,8 @@ import ctypes
 import logging
 import signal
 import sys
+import threading
+import time
 
 import uvicorn
 
@@ -33,6 +35,37 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="exit when the parent process dies (used by `pdserve serve`)")
 
 
+class DrainingServer(uvicorn.Server):
+    """SIGTERM/SIGINT: refuse new requests (503), let in-flight ones finish for up to the drain
+    timeout, abort the rest (their clients get an error, their blocks return), then exit."""
+
+    def __init__(self, worker: Worker, config: uvicorn.Config):
+        super().__init__(config)
+        self.worker = worker
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._draining:  # a second signal: stop now
+            return super().handle_exit(sig, frame)
+        self._draining = True
+        threading.Thread(target=self._drain, name="drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        w = self.worker
+        w.draining = True
+        logger.info("draining: %d requests in flight", w.in_flight())
+        deadline = time.monotonic() + w.settings.drain_timeout
+        while w.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for rid in w.in_flight_ids():
+            logger.info("request %s: aborted by the drain timeout", rid)
+            w.abort(rid, "abort")
+        deadline = time.monotonic() + 5.0
+        while w.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.should_exit = True
+
+
 def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
     if args.exit_with_parent and sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -47,8 +80,8 @@ def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
     worker = Worker(engine_config, settings, on_fatal=fatal)
     worker.start()
     app = build_app(worker, str(args.model or "default"))
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           access_log=False))
+    server = DrainingServer(worker, uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                                   access_log=False))
     logger.info("%s worker %s (tp=%d) listening on http://%s:%d", role, settings.worker_id, settings.tp,
                 args.host, args.port)
     try:

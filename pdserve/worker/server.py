@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 from collections.abc import AsyncIterator
 
 import httpx
@@ -68,6 +69,9 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": message}, status_code=status)
 
+    def draining() -> JSONResponse:
+        return JSONResponse({"error": "the worker is draining"}, status_code=503, headers={"Retry-After": "5"})
+
     async def parse(request: Request, model: type[BaseModel]):
         try:
             return model.model_validate(json.loads(await request.body())), None
@@ -117,6 +121,12 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
                 lines.append(f'pdserve:transfer_{k}{{role="{role}"}} {v}')
         return PlainTextResponse("\n".join(lines) + "\n")
 
+    if os.environ.get("PDSERVE_TEST_HOOKS") == "1":
+        @app.post("/debug/wedge")
+        async def wedge(request: Request):
+            worker.wedge(float(json.loads(await request.body()).get("seconds", 30)))
+            return {"ok": True}
+
     @app.post("/abort")
     async def abort(request: Request):
         try:
@@ -131,7 +141,7 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
         if role == "prefill":
             return error(404, "a prefill worker serves /prefill, not /generate")
         if worker.draining:
-            return error(503, "the worker is draining")
+            return draining()
         body, err = await parse(request, GenerateBody)
         if err:
             return err
@@ -169,7 +179,7 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
         if role != "prefill":
             return error(404, "only prefill workers serve /prefill")
         if worker.draining:
-            return error(503, "the worker is draining")
+            return draining()
         body, err = await parse(request, PrefillBody)
         if err:
             return err

@@ -70,6 +70,7 @@ class Worker:
         self.error: str | None = None
         self.transfer_metrics: dict[str, int] = {}  # snapshot taken on the loop thread
         self._snapshot_at = 0.0
+        self._wedge_for = 0.0
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
 
     # ---- the loop thread -----------------------------------------------------------------
@@ -109,6 +110,9 @@ class Worker:
             if dead:
                 raise RuntimeError(f"TP rank process {dead[0]} died")
             stopping = self._stop.is_set()
+            if self._wedge_for:
+                time.sleep(self._wedge_for)
+                self._wedge_for = 0.0
             plan, outputs = self.engine.step(shutdown=stopping)
             if plan.error:
                 raise RuntimeError(plan.error)
@@ -167,6 +171,17 @@ class Worker:
     def abort(self, request_id: str, reason: str = "abort") -> None:
         self.engine.abort(request_id, reason)
         self._wake.set()
+
+    def in_flight(self) -> int:
+        return len(self._queues)
+
+    def in_flight_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._queues)
+
+    def wedge(self, seconds: float) -> None:
+        """Test hook: the loop stalls for `seconds` inside a step (as a stuck forward would)."""
+        self._wedge_for = seconds
 
     def seconds_since_step(self) -> float:
         return time.monotonic() - self.last_step
