@@ -13,6 +13,7 @@ from torch import nn
 from pdserve.distributed import TPGroup
 
 from .llama import LlamaForCausalLM
+from .scripted import ScriptedForCausalLM
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +21,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "ScriptedForCausalLM": ScriptedForCausalLM,
 }
 
 
@@ -64,7 +66,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
     # fp32 scales of quantized layers
     with torch.device(device), default_dtype(dtype):
         model = cls(hf_config, tp, quant)
-    model.load_weights(WeightSource(model_dir))
+    if getattr(model, "has_weights", True):
+        model.load_weights(WeightSource(model_dir))
     finish_loading(model, dtype)
     model.eval()
     logger.info("loaded %s from %s (%s, %s, tp %d/%d%s)", cls.__name__, model_dir, dtype, device,
