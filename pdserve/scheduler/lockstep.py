@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -136,8 +137,11 @@ class LockstepLoop:
         self._backlog: list[TransferOutcome] = []
         self._digest: dict[str, str] | None = None
         self._digest_step = -1
+        self.agree_s = 0.0  # the last step's time in the agree and broadcast collectives
+        self.step_s = 0.0
 
     def step(self, inbox: Inbox) -> tuple[StepPlan, list[StepOutput]]:
+        t0 = time.perf_counter()
         # 1. observe
         if self.link is not None:
             self._backlog += self.link.observe()
@@ -145,7 +149,9 @@ class LockstepLoop:
         obs = Observation(self.rank, mine, self._digest, self._digest_step)
         self._digest = None
         # 2. agree (+ plan on rank 0)
+        t1 = time.perf_counter()
         observations = self.comm.agree(obs)
+        agree_s = time.perf_counter() - t1
         plan = None
         if self.rank == 0:
             transfers = self.agreement.add(observations)
@@ -155,7 +161,9 @@ class LockstepLoop:
                 logger.error("%s; stopping the worker", error)
                 plan.shutdown, plan.error = True, error
         # 3. broadcast
+        t1 = time.perf_counter()
         plan = self.comm.broadcast(plan)
+        self.agree_s = agree_s + time.perf_counter() - t1
         # 4. apply
         outputs, batch = self.scheduler.apply(plan)
         if self.link is not None:
@@ -166,4 +174,5 @@ class LockstepLoop:
             self._digest = state_digest(self.scheduler, self.trace.digest() if self.trace else "")
             self._digest_step = self.step_no
         self.step_no += 1
+        self.step_s = time.perf_counter() - t0
         return plan, outputs

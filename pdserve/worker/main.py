@@ -59,7 +59,7 @@ class DrainingServer(uvicorn.Server):
             time.sleep(0.05)
         for rid in w.in_flight_ids():
             logger.info("request %s: aborted by the drain timeout", rid)
-            w.abort(rid, "abort")
+            w.abort(rid, "abort", origin="drain")
         deadline = time.monotonic() + 5.0
         while w.in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -77,7 +77,7 @@ def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
         if server is not None:
             server.should_exit = True
 
-    worker = Worker(engine_config, settings, on_fatal=fatal)
+    worker = Worker(engine_config, settings, on_fatal=fatal, model_name=str(args.model or "default"))
     worker.start()
     app = build_app(worker, str(args.model or "default"))
     server = DrainingServer(worker, uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",

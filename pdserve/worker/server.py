@@ -9,10 +9,11 @@ from collections.abc import AsyncIterator
 
 import httpx
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.metrics import CONTENT_TYPE
 from pdserve.scheduler.plan import StepOutput
 
 from .worker import Worker
@@ -113,13 +114,7 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        lines = [f'pdserve:worker_step_total{{role="{role}"}} {worker.step_count}']
-        for k, v in worker.load().items():
-            lines.append(f'pdserve:worker_{k}{{role="{role}"}} {v}')
-        if worker.agent is not None:
-            for k, v in sorted(worker.transfer_metrics.items()):
-                lines.append(f'pdserve:transfer_{k}{{role="{role}"}} {v}')
-        return PlainTextResponse("\n".join(lines) + "\n")
+        return Response(worker.metrics.render(), media_type=CONTENT_TYPE)
 
     if os.environ.get("PDSERVE_TEST_HOOKS") == "1":
         @app.post("/debug/wedge")
@@ -172,7 +167,7 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
             w.release(rid)
             if not finished:  # the client went away: free its blocks now
                 logger.info("request %s: client disconnected, aborting", rid)
-                w.abort(rid)
+                w.abort(rid, origin="client")
 
     @app.post("/prefill")
     async def prefill(request: Request):
@@ -191,6 +186,10 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
                 r = await http.get(f"{body.decode.decode_url.rstrip('/')}/bootstrap")
                 r.raise_for_status()
                 ranks = bootstraps[body.decode.worker_id] = r.json()["ranks"]
+            if len(ranks) != worker.settings.tp:  # rank i writes to rank i: equal TP sizes only
+                return JSONResponse({"status": "failed", "error":
+                                     f"the decode worker has TP={len(ranks)} and this prefill worker "
+                                     f"TP={worker.settings.tp}; pdserve needs equal TP sizes"})
             q = worker.submit(rid, body.prompt_ids, params, {"bootstrap": ranks, "blocks": body.decode.blocks})
         except (TypeError, ValueError, KeyError) as e:
             return error(400, str(e))

@@ -17,6 +17,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.distributed.groups import init_tp
+from pdserve.metrics import WorkerMetrics
 from pdserve.scheduler.plan import StepOutput
 
 from .hooks import TestHooks
@@ -44,11 +45,24 @@ class WorkerSettings:
             self.worker_id = f"{socket.gethostname()}-{self.role}-{int(time.time() * 1000) % 10**8}"
 
 
+@dataclass
+class _RequestStats:
+    arrival: float
+    prompt_tokens: int
+    generated: int = 0
+    room_at: float | None = None  # decode: when its KV blocks were allocated
+    room_blocks: int = 0
+
+
 class Worker:
     """Owns the engine, its loop thread and the map from request ids to their output queues."""
 
-    def __init__(self, engine_config: EngineConfig, settings: WorkerSettings, on_fatal=None):
+    def __init__(self, engine_config: EngineConfig, settings: WorkerSettings, on_fatal=None,
+                 model_name: str = "default"):
         self.settings = settings
+        self.metrics = WorkerMetrics(settings.role, model_name)
+        self._stats: dict[str, _RequestStats] = {}
+        self._agent_counts: dict[str, int] = {}
         self.on_fatal = on_fatal or (lambda: None)
         kv = {"both": "local", "prefill": "prefill", "decode": "decode"}[settings.role]
         tp = comm = None
@@ -119,15 +133,59 @@ class Worker:
             if stopping:
                 return
             now = time.monotonic()
-            if self.agent is not None and now - self._snapshot_at > 0.1:
-                self.transfer_metrics, self._snapshot_at = self.agent.metrics(), now
+            if now - self._snapshot_at > 0.1:
+                self._snapshot(now)
             self.last_step = now
             self.step_count += 1
+            self.metrics.scheduler_step(self.engine.loop.step_s, self.engine.loop.agree_s)
             if outputs:
+                self._count(outputs, now)
                 self._dispatch(outputs)
             if not self.engine.has_work():
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
+
+    def _snapshot(self, now: float) -> None:
+        """Refresh gauges, and turn the agent's cumulative counters into metric increments."""
+        self._snapshot_at = now
+        a = self.engine.allocator
+        s = self.engine.scheduler
+        self.metrics.set_load(running=len(s.running), waiting=len(s.waiting) + len(s.held),
+                              used_blocks=a.num_used, total_blocks=a.num_blocks)
+        if self.agent is None:
+            return
+        self.transfer_metrics = counts = self.agent.metrics()
+        counts = dict(counts, late=sum(v for k, v in counts.items() if k.startswith(("late_", "unknown_"))))
+        for state in ("done", "failed", "aborted"):
+            for _ in range(self._delta(counts, f"rooms_{state}")):
+                self.metrics.room_ended(state)
+        self.metrics.late_messages_dropped.inc(self._delta(counts, "late"))
+
+    def _delta(self, counts: dict[str, int], key: str) -> int:
+        """How much a cumulative agent counter grew since the last snapshot."""
+        n = counts.get(key, 0) - self._agent_counts.get(key, 0)
+        self._agent_counts[key] = counts.get(key, 0)
+        return max(n, 0)
+
+    def _count(self, outputs: list[StepOutput], now: float) -> None:
+        bytes_per_block = self.engine.pool.bytes_per_block(self.engine.pool.num_layers, self.engine.pool.specs,
+                                                           self.engine.pool.block_size)
+        for out in outputs:
+            st = self._stats.get(out.request_id)
+            if st is None:
+                continue
+            if out.room_blocks is not None:
+                st.room_at, st.room_blocks = now, len(out.room_blocks)
+            if out.token_id is not None:
+                if st.generated == 0 and st.room_at is not None:  # decode: the KV and first token arrived
+                    self.metrics.kv_transferred(now - st.room_at, st.room_blocks * bytes_per_block * self.settings.tp)
+                st.generated += 1
+            if out.finish_reason and (out.token_id is None or out.finish_reason != "prefilled"):
+                del self._stats[out.request_id]
+                reason = "abort" if out.finish_reason == "abort" else out.finish_reason
+                self.metrics.request_finished("length" if reason == "prefilled" else reason,
+                                              prompt_tokens=st.prompt_tokens, generation_tokens=st.generated,
+                                              decode_s=now - st.arrival)
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         with self._lock:
@@ -159,6 +217,7 @@ class Worker:
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = (asyncio.get_running_loop(), q)
+            self._stats[request_id] = _RequestStats(time.monotonic(), len(prompt_ids))
         self.engine.add_request(request_id, prompt_ids, params, peer)
         self._wake.set()
         return q
@@ -168,7 +227,9 @@ class Worker:
         with self._lock:
             self._queues.pop(request_id, None)
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
+    def abort(self, request_id: str, reason: str = "abort", origin: str = "router") -> None:
+        if request_id in self._queues:
+            self.metrics.aborted(origin)
         self.engine.abort(request_id, reason)
         self._wake.set()
 

@@ -33,3 +33,35 @@ def test_pd_greedy_equals_engine_alone(pd_pair, default_model_dir):
         assert err is None and reason == "length"
         assert tokens == r.token_ids
     wait_for(lambda: pool_full(prefill) and pool_full(decode), what="both pools full")
+
+
+def metric(w, name: str, **labels) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(w.get("/metrics").text):
+        for s in fam.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_worker_metrics_count_what_happened(pd_pair):
+    prefill, decode = pd_pair
+    before = {w.role: (metric(w, "pdserve:request_success_total", finished_reason="length"),
+                       metric(w, "pdserve:rooms_total", state="done"),
+                       metric(w, "pdserve:generation_tokens_total")) for w in (prefill, decode)}
+
+    async def run():
+        c = PDClient(prefill, decode)
+        return await asyncio.gather(*(c.generate(f"m-{i}", [5, 6, 7, 8 + i], {"temperature": 0, "max_tokens": 5,
+                                                                            "ignore_eos": True})
+                                      for i in range(4)))
+    asyncio.run(run())
+    wait_for(lambda: metric(decode, "pdserve:rooms_total", state="done") >= before["decode"][1] + 4, 5, "rooms")
+    assert metric(decode, "pdserve:request_success_total", finished_reason="length") == before["decode"][0] + 4
+    assert metric(decode, "pdserve:generation_tokens_total") == before["decode"][2] + 20
+    assert metric(prefill, "pdserve:rooms_total", state="done") == before["prefill"][1] + 4
+    assert metric(decode, "pdserve:scheduler_agree_seconds_count") > 0
