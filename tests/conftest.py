@@ -76,3 +76,12 @@ def tiny_llama4_dir(tmp_path_factory) -> str:
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def nvfp4_default_dir(tmp_path_factory, default_model_dir) -> str:
+    """The default model through `pdserve quantize --nvfp4` (built-in calibration text), once per
+    session: ~15 s on one core."""
+    from pdserve.quantize import quantize_nvfp4
+
+    return str(quantize_nvfp4(default_model_dir, tmp_path_factory.mktemp("nvfp4-default") / "model"))

@@ -19,6 +19,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512   # chunked-prefill token budget per step
     max_model_len: int | None = None    # default: the model's max_position_embeddings
     threads: int = 0                    # torch CPU threads (0: torch's default)
+    nvfp4_mode: str = "auto"            # NVFP4 checkpoints: auto | w4a16 | w4a4
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -54,7 +54,7 @@ class LLMEngine:
         self.comm = comm or LocalComm(self.trace)
         self.comm.trace = self.trace
         self.rank = tp.rank
-        self.model = load_model(self.model_dir, dtype, config.device, tp)
+        self.model = load_model(self.model_dir, dtype, config.device, tp, config.nvfp4_mode)
         specs = self.model.cache_spec(dtype)
         num_blocks = KVPool.blocks_for_budget(config.kv_cache_memory, self.model.num_layers, specs,
                                               config.block_size)

@@ -181,22 +181,25 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def checkpoint_target(self, name: str) -> tuple[str, str, object]:
+        """(module, parameter, shard id) that checkpoint tensor `name` loads into."""
+        module_name, _, param = name.rpartition(".")
+        parent, _, leaf = module_name.rpartition(".")
+        if leaf in self.stacked:
+            leaf, shard_id = self.stacked[leaf]
+            return f"{parent}.{leaf}", param, shard_id
+        return module_name, param, None
+
     def load_weights(self, source) -> None:
         """Load from a WeightSource; each layer reads only its TP slice."""
         modules = dict(self.named_modules())
         expected = {n for n, _ in self.named_parameters()}
-        ignores = getattr(self.quant, "ignores_tensor", lambda _: False)
         for name in source.names():
             if "rotary_emb" in name or (name.startswith("lm_head") and self.config.tie_word_embeddings):
                 continue
-            if ignores(name):
+            if self.quant is not None and self.quant.ignores_tensor(name):
                 continue
-            module_name, _, param = name.rpartition(".")
-            parent, _, leaf = module_name.rpartition(".")
-            shard_id = None
-            if leaf in self.stacked:
-                leaf, shard_id = self.stacked[leaf]
-                module_name = f"{parent}.{leaf}"
+            module_name, param, shard_id = self.checkpoint_target(name)
             module = modules.get(module_name)
             if module is None:
                 logger.warning("checkpoint tensor %s has no place in the model; skipped", name)

@@ -83,7 +83,7 @@ class NVFP4Config:
             return None
         if any(p is not None for p in excluded):
             which = ", ".join(f"{n} ({'excluded by ' + repr(p) if p else 'quantized'})"
-                              for n, p in zip(names, excluded))
+                              for n, p in zip(names, excluded, strict=True))
             raise QuantConfigError(f"{self.source}: pdserve runs {', '.join(names)} as one fused "
                                    f"matmul, so they must all be quantized or all excluded: {which}")
         return NVFP4LinearMethod(tuple(names), self.static_activations, self.mode)
@@ -138,8 +138,8 @@ def parse_hf_quant_config(data: dict, where: str = HF_QUANT_CONFIG, mode: str = 
         raise QuantConfigError(f"{where}: no \"quantization\" object")
     algo = _check_algo(q.get("quant_algo"), where)
     _check_group_size(q.get("group_size", BLOCK), where)
-    return NVFP4Config(algo, _patterns(q.get("exclude_modules"), where), _kv_algo(q.get("kv_cache_quant_algo")),
-                       where, mode)
+    exclude = _patterns(q.get("exclude_modules"), where)
+    return NVFP4Config(algo, exclude, _kv_algo(q.get("kv_cache_quant_algo")), where, mode)
 
 
 def parse_quantization_config(data: dict, where: str = "config.json quantization_config",
@@ -210,7 +210,7 @@ def unify_fused_scales(weight_scale: torch.Tensor, rows: list[tuple[int, int]],
     """
     target = scale_2.max()
     out = weight_scale.clone()
-    for (start, count), s in zip(rows, scale_2):
+    for (start, count), s in zip(rows, scale_2, strict=True):
         if s != target:
             part = weight_scale[start:start + count].to(torch.float32) * (s / target)
             out[start:start + count] = to_e4m3(part)

@@ -29,8 +29,11 @@ class Shard(NamedTuple):
 class QuantConfig(Protocol):
     """What the model asks of a checkpoint's quantization config (pdserve.weights.nvfp4)."""
 
-    def linear_method(self, names: list[str]) -> "LinearMethod | None":
+    def linear_method(self, names: list[str]) -> LinearMethod | None:
         """The method for the linear made of checkpoint modules `names`; None: not quantized."""
+
+    def ignores_tensor(self, name: str) -> bool:
+        """Checkpoint tensors the model reads past (e.g. KV-cache scales it does not use)."""
 
 
 class LinearMethod(ABC):

@@ -14,7 +14,6 @@ Mode "auto" picks `sm120` when it can run, else `w4a16`; "w4a16" and "w4a4" forc
 from __future__ import annotations
 
 import logging
-import math
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +65,7 @@ class NVFP4LinearMethod(LinearMethod):
         self.mode = mode
         self.backend = ""
         self.part_rows: dict[int, tuple[int, int]] = {}  # part -> (first row, rows) in the layer
+        self.loaded: set[tuple[str, int]] = set()          # (parameter, part) read so far
 
     # ---- parameters as the checkpoint stores them -------------------------------------
     def create_weights(self, layer: nn.Module, in_features: int, out_features: int) -> None:
@@ -76,11 +76,11 @@ class NVFP4LinearMethod(LinearMethod):
         layer.weight = nn.Parameter(torch.empty(out_features, in_features // 2, dtype=torch.uint8), **frozen)
         layer.weight_scale = nn.Parameter(
             torch.empty(out_features, in_features // fp4.BLOCK, dtype=torch.float8_e4m3fn), **frozen)
-        # one value per fused part until `finish` unifies them; NaN marks "not loaded"
+        # one value per fused part until `finish` unifies them
         parts = len(self.names)
-        layer.weight_scale_2 = nn.Parameter(torch.full((parts,), math.nan, dtype=torch.float32), **frozen)
+        layer.weight_scale_2 = nn.Parameter(torch.zeros(parts, dtype=torch.float32), **frozen)
         if self.static_activations:
-            layer.input_scale = nn.Parameter(torch.full((parts,), math.nan, dtype=torch.float32), **frozen)
+            layer.input_scale = nn.Parameter(torch.zeros(parts, dtype=torch.float32), **frozen)
 
     def load(self, layer: nn.Module, param: str, source, name: str, shard: Shard) -> None:
         if param == "weight":
@@ -103,8 +103,14 @@ class NVFP4LinearMethod(LinearMethod):
             getattr(layer, param).data[shard.part] = scale
         else:
             raise QuantConfigError(f"checkpoint tensor {name}: unexpected in an NVFP4 layer "
-                                   f"({self.names[0]} takes weight, weight_scale, weight_scale_2"
-                                   f"{', input_scale' if self.static_activations else ''})")
+                                   f"({self.names[0]} takes {', '.join(self.params)})")
+        self.loaded.add((param, shard.part))
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        """The checkpoint tensors of each part."""
+        scales = ("weight_scale_2", "input_scale") if self.static_activations else ("weight_scale_2",)
+        return ("weight", "weight_scale", *scales)
 
     @staticmethod
     def _checked(tensor: torch.Tensor, dtype: torch.dtype, name: str, what: str) -> torch.Tensor:
@@ -115,9 +121,12 @@ class NVFP4LinearMethod(LinearMethod):
 
     # ---- after loading ----------------------------------------------------------------
     def finish(self, layer: nn.Module, dtype: torch.dtype) -> None:
-        scale_2 = self._loaded(layer, "weight_scale_2")
-        rows = [self.part_rows[p] for p in range(len(self.names)) if p in self.part_rows]
-        weight_scale, scale_2 = unify_fused_scales(layer.weight_scale.data, rows, scale_2)
+        missing = [f"{name}.{param}" for part, name in enumerate(self.names) for param in self.params
+                   if (param, part) not in self.loaded]
+        if missing:
+            raise QuantConfigError(f"checkpoint is missing {', '.join(missing)} (NVFP4 layer)")
+        rows = [self.part_rows[part] for part in range(len(self.names))]
+        weight_scale, scale_2 = unify_fused_scales(layer.weight_scale.data, rows, layer.weight_scale_2.data)
         if not torch.equal(weight_scale.view(torch.uint8), layer.weight_scale.data.view(torch.uint8)):
             logger.info("%s: parts had different weight_scale_2; block scales rescaled to the max",
                         ", ".join(self.names))
@@ -126,7 +135,7 @@ class NVFP4LinearMethod(LinearMethod):
         if self.static_activations:
             # every part sees the same input, so calibration gave (nearly) the same amax; the
             # max never clips any part's range
-            layer.input_scale = nn.Parameter(self._loaded(layer, "input_scale").max(), requires_grad=False)
+            layer.input_scale = nn.Parameter(layer.input_scale.data.max(), requires_grad=False)
         device = layer.weight.device
         self.backend = choose_backend(self.mode, device, self.static_activations)
         n, k = layer.weight.shape[0], layer.weight.shape[1] * 2
@@ -137,13 +146,6 @@ class NVFP4LinearMethod(LinearMethod):
         _announce(self.backend, device)
         getattr(self, f"_prepare_{self.backend}")(layer, dtype)
 
-    def _loaded(self, layer: nn.Module, param: str) -> torch.Tensor:
-        values = getattr(layer, param).data
-        missing = [f"{n}.{param}" for n, v in zip(self.names, values) if torch.isnan(v)]
-        if missing:
-            raise QuantConfigError(f"checkpoint is missing {', '.join(missing)} (NVFP4 layer)")
-        return values
-
     def _prepare_w4a16(self, layer: nn.Module, dtype: torch.dtype) -> None:
         w = fp4.dequantize(layer.weight, layer.weight_scale, layer.weight_scale_2)
         # fp32 on a CPU (the reference's arithmetic); the model dtype on a GPU (speed)
@@ -151,8 +153,9 @@ class NVFP4LinearMethod(LinearMethod):
         layer.register_buffer("dequantized", w.to(compute), persistent=False)
 
     def _prepare_w4a4(self, layer: nn.Module, dtype: torch.dtype) -> None:
-        layer.register_buffer("dequantized", fp4.dequantize(layer.weight, layer.weight_scale),
-                              persistent=False)  # codes x block scales, exact in fp32
+        # codes x block scales, exact in fp32; the tensor scale goes into alpha, as in the GEMM
+        layer.register_buffer("dequantized_blocks", fp4.dequantize(layer.weight, layer.weight_scale),
+                              persistent=False)
         self.alpha = layer.input_scale * layer.weight_scale_2
 
     def _prepare_sm120(self, layer: nn.Module, dtype: torch.dtype) -> None:
@@ -178,7 +181,7 @@ class NVFP4LinearMethod(LinearMethod):
         """`nvfp4_linear_w4a4` with the weight's dequantization hoisted out of the call."""
         x2 = x.reshape(-1, x.shape[-1])
         xq = fp4.quantize_activation(x2, layer.input_scale)
-        acc = fp4.dequantize(xq.data, xq.scale) @ layer.dequantized.T
+        acc = fp4.dequantize(xq.data, xq.scale) @ layer.dequantized_blocks.T
         return (acc * self.alpha).to(x.dtype).reshape(*x.shape[:-1], -1)
 
     def _sm120(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
