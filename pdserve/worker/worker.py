@@ -25,7 +25,7 @@ from .ranks import free_port, make_agent, share_bootstrap, spawn_ranks
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.002  # the loop's nap when idle: short, since it must keep polling transfers
+IDLE_WAIT_S = 0.005  # the loop's nap when idle: short, since it must keep polling transfers
 
 
 @dataclass
@@ -50,8 +50,7 @@ class _RequestStats:
     arrival: float
     prompt_tokens: int
     generated: int = 0
-    room_at: float | None = None  # decode: when its KV blocks were allocated
-    room_blocks: int = 0
+    write_at: float | None = None  # prefill: when its KV write started
 
 
 class Worker:
@@ -174,12 +173,13 @@ class Worker:
             st = self._stats.get(out.request_id)
             if st is None:
                 continue
-            if out.room_blocks is not None:
-                st.room_at, st.room_blocks = now, len(out.room_blocks)
             if out.token_id is not None:
-                if st.generated == 0 and st.room_at is not None:  # decode: the KV and first token arrived
-                    self.metrics.kv_transferred(now - st.room_at, st.room_blocks * bytes_per_block * self.settings.tp)
                 st.generated += 1
+                if out.finish_reason == "prefilled":  # prefill: the KV write starts now
+                    st.write_at = now
+            elif out.finish_reason == "prefilled" and st.write_at is not None:  # written
+                blocks = -(-st.prompt_tokens // self.engine.pool.block_size)
+                self.metrics.kv_transferred(now - st.write_at, blocks * bytes_per_block * self.settings.tp)
             if out.finish_reason and (out.token_id is None or out.finish_reason != "prefilled"):
                 del self._stats[out.request_id]
                 reason = "abort" if out.finish_reason == "abort" else out.finish_reason

@@ -1,0 +1,285 @@
+"""Offline generation throughput and per-token latency: pdserve's engine against transformers.
+
+    python bench/offline.py [--batch-sizes 1,8,32,64] [--input-len 64] [--output-len 64]
+                            [--threads 1] [--hf-max-batch 64] [--repeats 1] [--out PATH] [--quick]
+
+Every batch size runs the same random prompts (fixed length, greedy, every request made to emit
+exactly --output-len tokens) through the engine (all requests added at once, stepped until done)
+and through `transformers` `generate()` (one left-padded batch). Prints a table, writes JSON and
+a PNG (tok/s, tok per CPU-second and ms/token vs concurrency) next to it. Per-token times come
+from when the caller sees each token: engine `step()` returns, and a logits-processor hook in
+transformers. Tokens per CPU-second of this process is the number to compare on a busy machine.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common import RESULTS, environment, int_list, load_average, table, write_json
+
+
+@dataclass
+class Run:
+    """One timed generation of a batch; times in seconds from the start of the batch."""
+
+    batch: int
+    wall_s: float
+    output_tokens: int
+    token_times: list[list[float]] = field(repr=False)  # per request, when each token was seen
+    step_times: list[float] = field(repr=False)          # duration of every step / forward
+    step_ends: list[float] = field(repr=False)           # when each step ended
+    cpu_s: float = math.nan                               # this process's CPU time for the run
+
+    def metrics(self) -> dict[str, float]:
+        firsts = [t[0] for t in self.token_times if t]
+        tpots = [(t[-1] - t[0]) / (len(t) - 1) for t in self.token_times if len(t) > 1]
+        per_tok = [t[-1] / len(t) for t in self.token_times if t]
+        # decode steps: those after every request has seen its first token
+        decode = [d for d, end in zip(self.step_times, self.step_ends) if end > max(firsts, default=0)]
+        return {
+            "tok_s": self.output_tokens / self.wall_s,
+            "tok_per_cpu_s": self.output_tokens / self.cpu_s,
+            "cpu_s": self.cpu_s,
+            "wall_s": self.wall_s,
+            "output_tokens": self.output_tokens,
+            "ttft_ms": 1e3 * statistics.fmean(firsts) if firsts else math.nan,
+            "tpot_ms": 1e3 * statistics.fmean(tpots) if tpots else math.nan,
+            "e2e_ms_per_token": 1e3 * statistics.fmean(per_tok) if per_tok else math.nan,
+            "steps": len(self.step_times),
+            "step_ms_mean": 1e3 * statistics.fmean(self.step_times) if self.step_times else math.nan,
+            "decode_step_ms_p50": 1e3 * statistics.median(decode) if decode else math.nan,
+        }
+
+
+def make_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random ids above the special-token range, the same for every system."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(256, vocab, (batch, length), generator=g).tolist()
+
+
+def run_engine(llm, prompts: list[list[int]], output_len: int, tag: str) -> Run:
+    from pdserve.engine.sampling_params import SamplingParams
+
+    engine = llm.engine
+    index = {}
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i, ids in enumerate(prompts):
+        rid = f"{tag}-{i}"
+        index[rid] = i
+        engine.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    times: list[list[float]] = [[] for _ in prompts]
+    steps: list[float] = []
+    ends: list[float] = []
+    with torch.inference_mode():
+        while engine.has_work():
+            s = time.perf_counter()
+            result = engine.step()
+            outs = result[1] if isinstance(result, tuple) else result  # (plan, outputs) since lockstep
+            e = time.perf_counter()
+            steps.append(e - s)
+            ends.append(e - t0)
+            for o in outs:
+                if o.token_id is not None:
+                    times[index[o.request_id]].append(e - t0)
+                if o.finish_reason not in (None, "length"):
+                    raise RuntimeError(f"request {o.request_id} ended with {o.finish_reason}: {o.error}")
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return Run(len(prompts), wall, sum(map(len, times)), times, steps, ends, cpu)
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, prompts))
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+def run_hf(model, prompts: list[list[int]], output_len: int, pad_id: int) -> Run:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    stamps: list[float] = []
+
+    class Stamp(LogitsProcessor):
+        """Called once per generated position, after the forward: the token's time."""
+
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+
+    ids, mask = left_pad(prompts, pad_id)
+    t0, c0 = time.perf_counter(), time.process_time()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
+                             min_new_tokens=output_len, do_sample=False, pad_token_id=pad_id,
+                             logits_processor=LogitsProcessorList([Stamp()]))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    new = out.shape[1] - ids.shape[1]
+    rel = [s - t0 for s in stamps[:new]]
+    steps = [b - a for a, b in zip([0.0] + rel, rel)]
+    return Run(len(prompts), wall, new * len(prompts), [list(rel) for _ in prompts], steps, rel, cpu)
+
+
+def median_run(runs: list[Run]) -> Run:
+    return sorted(runs, key=lambda r: r.wall_s)[len(runs) // 2]
+
+
+def plot(cells: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    panels = (("tok_s", "output tokens/s (wall)"), ("tok_per_cpu_s", "output tokens per CPU-second"),
+              ("tpot_ms", "ms per output token (TPOT)"))
+    for system, style in (("engine", "o-"), ("hf", "s--")):
+        pts = [(c["batch"], c[system]) for c in cells if c.get(system)]
+        for ax, (key, _) in zip(axes, panels):
+            if pts:
+                ax.plot([x for x, _ in pts], [m[key] for _, m in pts], style, label=system)
+    batches = [c["batch"] for c in cells]
+    for ax, (_, ylabel) in zip(axes, panels):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(x) for x in batches])
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 8, 32, 64], help="comma-separated")
+    p.add_argument("--input-len", type=int, default=64, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="output tokens per request (ignore_eos)")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads for both systems")
+    p.add_argument("--hf-max-batch", type=int, default=64, help="skip transformers above this batch")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed runs per cell (engine and transformers interleaved); the median run is reported")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="engine prefill budget per step")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS / "offline.json", help="JSON path (PNG next to it)")
+    p.add_argument("--quick", action="store_true", help="smoke run: batches 1,4; 16 in, 8 out")
+    args = p.parse_args(argv)
+    if args.quick:  # smaller defaults; flags given explicitly still win
+        p.set_defaults(batch_sizes=[1, 4], input_len=16, output_len=8)
+        args = p.parse_args(argv)
+    return args
+
+
+def kv_bytes(model_dir: Path, seqs: int, tokens: int, block: int) -> int:
+    """A KV pool that holds every sequence at full length, with room to spare."""
+    from pdserve.models import read_config
+
+    c = read_config(model_dir)
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads", c["num_attention_heads"])
+    per_token = 2 * c["num_hidden_layers"] * kv_heads * head_dim * 4  # k and v, fp32
+    return max(256 << 20, int(1.25 * seqs * (tokens + 2 * block) * per_token))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm import LLM
+    from pdserve.models import read_config
+    from pdserve.weights import resolve_model_path
+
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model_path(args.model)
+    env = environment()
+    print(f"{load_average()}; threads={args.threads}; model={model_dir}", flush=True)
+    most = max(args.batch_sizes)
+    cfg = EngineConfig(model=args.model, threads=args.threads, max_num_seqs=most,
+                       max_num_batched_tokens=args.max_num_batched_tokens,
+                       kv_cache_memory=kv_bytes(model_dir, most, args.input_len + args.output_len, 16))
+    llm = LLM(cfg)
+    vocab = read_config(model_dir)["vocab_size"]
+    hf = None if args.no_hf else load_hf(model_dir)
+    warm = make_prompts(2, 8, vocab, seed=999)
+    run_engine(llm, warm, 4, "warm")
+    if hf:
+        run_hf(hf[0], warm, 4, hf[1])
+
+    cells = [measure(b, args, llm, hf, vocab) for b in args.batch_sizes]
+    print(f"\noffline generation: {args.input_len} in / {args.output_len} out, greedy, threads={args.threads}")
+    print(table(["batch", "engine tok/s", "hf tok/s", "ratio", "engine tok/cpu-s", "hf tok/cpu-s", "cpu ratio",
+                 "engine ms/tok", "hf ms/tok", "engine step ms", "hf step ms", "engine TTFT ms", "hf TTFT ms",
+                 "load1"], [_row(c) for c in cells]))
+    for c in cells:
+        if c["hf_skipped"]:
+            print(f"transformers skipped at batch {c['batch']}: {c['hf_skipped']}")
+    print(f"start: {env['load_average']}; end: {load_average()}")
+    data = {"benchmark": "offline", "args": _plain(vars(args)), "model_dir": str(model_dir),
+            "environment": env, "load_average_end": list(os.getloadavg()), "cells": cells}
+    write_json(args.out, data)
+    png = args.out.with_suffix(".png")
+    plot(cells, png, f"{model_dir.name}: {args.input_len} in / {args.output_len} out, threads={args.threads}")
+    print(f"wrote {args.out} and {png}")
+    return 0
+
+
+def measure(b: int, args: argparse.Namespace, llm, hf: tuple | None, vocab: int) -> dict:
+    """One batch size: both systems, `--repeats` times, interleaved so they share the background load."""
+    prompts = make_prompts(b, args.input_len, vocab, args.seed + b)
+    cell: dict = {"batch": b, "engine": None, "hf": None, "hf_skipped": None}
+    if hf is None:
+        cell["hf_skipped"] = "--no-hf"
+    elif b > args.hf_max_batch:
+        cell["hf_skipped"] = f"batch {b} > --hf-max-batch {args.hf_max_batch}"
+    runs: dict[str, list[Run]] = {"engine": [], "hf": []}
+    for r in range(args.repeats):
+        runs["engine"].append(run_engine(llm, prompts, args.output_len, f"b{b}r{r}"))
+        if hf is not None and cell["hf_skipped"] is None:
+            runs["hf"].append(run_hf(hf[0], prompts, args.output_len, hf[1]))
+    for system, rs in runs.items():
+        if rs:
+            cell[system] = median_run(rs).metrics()
+            cell[system]["tok_s_runs"] = [x.output_tokens / x.wall_s for x in rs]
+            cell[system]["tok_per_cpu_s_runs"] = [x.output_tokens / x.cpu_s for x in rs]
+    cell["load_average_after"] = list(os.getloadavg())
+    print(f"  batch {b}: engine {cell['engine']['tok_s']:.1f} tok/s"
+          + (f", hf {cell['hf']['tok_s']:.1f} tok/s" if cell["hf"] else ", hf skipped")
+          + f"  ({load_average()})", flush=True)
+    return cell
+
+
+def _plain(args: dict) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in args.items()}
+
+
+def _row(c: dict) -> list[object]:
+    e, h = c["engine"], c["hf"] or {}
+    ratio = e["tok_s"] / h["tok_s"] if h else None
+    cpu_ratio = e["tok_per_cpu_s"] / h["tok_per_cpu_s"] if h else None
+    return [c["batch"], e["tok_s"], h.get("tok_s"), ratio, e["tok_per_cpu_s"], h.get("tok_per_cpu_s"), cpu_ratio,
+            e["tpot_ms"], h.get("tpot_ms"), e["decode_step_ms_p50"], h.get("decode_step_ms_p50"),
+            e["ttft_ms"], h.get("ttft_ms"), c["load_average_after"][0]]
+
+
+def load_hf(model_dir: Path):
+    """The transformers model on the same weights, fp32, and its pad id."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    gc = model.generation_config
+    eos = gc.eos_token_id[0] if isinstance(gc.eos_token_id, list) else gc.eos_token_id
+    pad = gc.pad_token_id if gc.pad_token_id is not None else eos
+    return model, pad
+
+
+if __name__ == "__main__":
+    sys.exit(main())
