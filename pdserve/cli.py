@@ -1,4 +1,4 @@
-"""`pdserve` command line: generate | convert (serve, prefill, decode and router come with PD serving)."""
+"""`pdserve` command line: serve | router | prefill | decode | worker | generate | convert | quantize."""
 from __future__ import annotations
 
 import argparse
@@ -113,8 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             w.set_defaults(func=cmd_worker, role=role)
 
+    from pdserve.frontend.cli import add_router_parser, add_serve_parser
     from pdserve.quantize import add_quantize_parser
 
+    add_serve_parser(sub)
+    add_router_parser(sub)
     add_quantize_parser(sub)
 
     c = sub.add_parser("convert", help="convert a checkpoint into a Hugging Face model directory")

@@ -86,7 +86,7 @@ def worker_commands(args: argparse.Namespace, model_dir: Path) -> list[tuple[str
     for name, role_args in roles:
         port = free_port()
         cmd = [*head, *role_args, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-               "--worker-id", f"{name}-0", "--exit-with-parent", *engine_flags(args), *args.worker_arg]
+               "--worker-id", f"{name}-{port}", "--exit-with-parent", *engine_flags(args), *args.worker_arg]
         out.append((name, cmd, f"http://127.0.0.1:{port}"))
     return out
 

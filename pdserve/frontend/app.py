@@ -63,12 +63,12 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest)
-        return await create_completion(router, req, _call(router, request, "completions"))
+        return await create_completion(router, req, _call(router, request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
-        return await create_chat_completion(router, req, _call(router, request, "chat.completions"))
+        return await create_chat_completion(router, req, _call(router, request))
 
     @app.get("/health")
     async def health() -> Response:
@@ -90,9 +90,9 @@ def _model_card(router: Router, created: int) -> dict[str, Any]:
             "owned_by": "pdserve", "max_model_len": router.max_model_len}
 
 
-def _call(router: Router, request: Request, endpoint: str) -> Call:
+def _call(router: Router, request: Request) -> Call:
     rid = request.state.request_id
-    return Call(endpoint, rid, router.ids.room_base(rid), request, time.monotonic())
+    return Call(request.url.path, rid, router.ids.room_base(rid), request, request.state.arrival)
 
 
 async def _parse(request: Request, model: type[M]) -> M:

@@ -77,7 +77,7 @@ class ChoiceRun:
         self._task: asyncio.Task[None] | None = None
         self._prefill_task: asyncio.Task[None] | None = None
         self._closed = False
-        self._started = time.monotonic()
+        self._ended = False             # the choice's last event was emitted
         # Counted on the workers now, so the next pick of the same request sees this one.
         route.decode.inflight.add(self)
         if route.prefill is not None:
@@ -89,7 +89,14 @@ class ChoiceRun:
 
     def start(self) -> asyncio.Task[None]:
         self._task = asyncio.create_task(self.run(), name=f"choice-{self.rid}")
+        self._task.add_done_callback(self._on_done)
         return self._task
+
+    def _on_done(self, _: asyncio.Task[None]) -> None:
+        # A task cancelled before its first step never ran `run`: end it here either way.
+        if self._failure is not None and not self._ended:
+            self._end_with_error(self._failure)
+        self.close()
 
     def fail(self, error: APIError) -> None:
         """Stop this choice with `error` (a worker died, prefill failed). Idempotent."""
@@ -211,10 +218,11 @@ class ChoiceRun:
 
     def _finish(self, reason: str) -> None:
         self.batcher.add_text(self.decoder.finish())
-        self.finished = True
+        self.finished = self._ended = True
         self.emit(ChoiceEvent(self.spec.index, self.batcher.take(), reason, num_tokens=self.num_tokens))
 
     def _end_with_error(self, error: APIError) -> None:
+        self._ended = True
         logger.warning("[%s] choice failed after %d tokens: %s", self.rid, self.num_tokens, error.message)
         self.emit(ChoiceEvent(self.spec.index, error=error, num_tokens=self.num_tokens))
 

@@ -68,11 +68,18 @@ def _http_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port of the OpenAI API")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
-    p.add_argument("--stream-batch", type=int, default=1, metavar="N",
+    p.add_argument("--stream-batch", type=_positive, default=1, metavar="N",
                    help="send up to N tokens per SSE event (the first token always goes alone)")
     p.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger bodies get 413")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the smallest the workers report)")
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def router_config(args: argparse.Namespace, model_dir: Path, prefill: list[str], decode: list[str],
@@ -112,8 +119,6 @@ def run_router(config: RouterConfig, host: str, port: int) -> int:
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    if args.stream_batch < 1:
-        raise SystemExit("--stream-batch must be >= 1")
     if not args.worker and not (args.prefill and args.decode):
         raise SystemExit("give --prefill URL and --decode URL, or --worker URL for colocated workers")
     config = router_config(args, resolve_model_dir(args.model), args.prefill, args.decode, args.worker)

@@ -21,8 +21,9 @@ class RouterConfig:
     max_request_bytes: int = 8 << 20      # larger bodies get 413
     max_model_len: int | None = None      # None: the smallest of the workers' /info
     health_interval_s: float = 0.5        # how often every worker's /health and /load are polled
-    health_timeout_s: float = 1.0         # one probe's deadline
-    dead_after_s: float = 1.5             # no good answer for this long: out, in-flight failed
+    health_timeout_s: float = 5.0         # one probe's deadline (a late answer still shows life)
+    dead_after_s: float = 1.5             # no answer at all for this long: out, in-flight failed
+    wedged_grace_s: float = 30.0          # a worker reporting "wedged" this long: in-flight failed
     abort_timeout_s: float = 2.0
     connect_timeout_s: float = 3.0
     inline_tokenize_chars: int = 4096     # longer prompts are tokenized off the event loop

@@ -1,6 +1,7 @@
 """One ASGI middleware for what every request gets before a handler runs.
 
-* the request id: X-Request-Id accepted (or made), stored in ``scope["state"]``, sent back;
+* the request id: X-Request-Id accepted (or made), stored in ``scope["state"]`` with the
+  arrival time, and sent back;
 * the API key: ``Authorization: Bearer <key>`` on /v1/* when the router has one (401 otherwise);
 * the body limit: 413 for a Content-Length over the limit, or once more bytes than that arrive;
 * the request count for requests that never reach a generation (errors, /v1/models).
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import time
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -41,6 +43,7 @@ class RequestContextMiddleware:
                                       (b"x-request-id", state.get("request_id", "").encode("latin-1"))]
             await send(message)
 
+        state["arrival"] = time.monotonic()
         state["request_id"] = RequestIds.client_id(None)
         try:
             state["request_id"] = RequestIds.client_id(headers.get("x-request-id"))

@@ -31,7 +31,8 @@ class Router:
         self.client = WorkerClient(config.connect_timeout_s, config.health_timeout_s)
         self.pool = WorkerPool(self.client, config.prefill_urls, config.decode_urls, config.worker_urls,
                                interval_s=config.health_interval_s, timeout_s=config.health_timeout_s,
-                               dead_after_s=config.dead_after_s, on_health=self._on_health)
+                               dead_after_s=config.dead_after_s, wedged_grace_s=config.wedged_grace_s,
+                               on_health=self._on_health)
         self.services = Services(self.client, self.spawn, config.abort_timeout_s,
                                  lambda reason: self.metrics.aborts.labels(reason).inc())
         self._model_context = _model_context(config)

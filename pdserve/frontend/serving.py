@@ -35,7 +35,7 @@ CLIENT_CLOSED = 499  # nginx's status for "the client closed the request"
 class Call:
     """One API call as the handlers see it."""
 
-    endpoint: str
+    endpoint: str        # the path, e.g. /v1/chat/completions (the metrics' label)
     request_id: str      # the X-Request-Id answered with
     room_base: str       # the workers' id for it (per choice: <room_base>-<i>)
     http: Request
@@ -51,34 +51,31 @@ async def respond(router: Router, call: Call, specs: list[ChoiceSpec],
                 call.endpoint, len(specs), renderer.prompt_tokens, stream,
                 ", ".join(sorted({r.route.decode.url for r in gen.runs})))
     gen.start()
-    tracker = _Tracker(router, call, renderer)
+    tracker = _Tracker(router, call, renderer, gen)
     if stream:
-        return sse.SSEResponse(_stream(gen, renderer, tracker))
+        return sse.SSEResponse(_stream(gen, renderer, tracker), on_close=tracker.finish)
     return await _collect(gen, renderer, tracker, call.http)
 
 
 async def _stream(gen: Generation, renderer: ChatRenderer | CompletionRenderer,
                   tracker: _Tracker) -> AsyncGenerator[str, None]:
-    status = CLIENT_CLOSED
-    try:
-        for chunk in renderer.opening():
+    """The SSE body. Its end, however it comes, is handled by `tracker.finish` (the response
+    calls it even when the client left before the first byte and this never ran)."""
+    for chunk in renderer.opening():
+        yield sse.event(chunk)
+    async for ev in gen.events():
+        tracker.saw(ev)
+        if ev.error is not None:
+            tracker.status = ev.error.status
+            yield sse.error_event(ev.error)
+            return
+        chunk = renderer.absorb(ev)
+        if chunk is not None:
             yield sse.event(chunk)
-        async for ev in gen.events():
-            tracker.saw(ev)
-            if ev.error is not None:
-                status = ev.error.status
-                yield sse.error_event(ev.error)
-                return
-            chunk = renderer.absorb(ev)
-            if chunk is not None:
-                yield sse.event(chunk)
-        if renderer.include_usage:
-            yield sse.event(renderer.usage_chunk())
-        yield sse.DONE
-        status = 200
-    finally:
-        gen.cancel()
-        tracker.done(status, gen)
+    if renderer.include_usage:
+        yield sse.event(renderer.usage_chunk())
+    yield sse.DONE
+    tracker.status = 200
 
 
 async def _collect(gen: Generation, renderer: ChatRenderer | CompletionRenderer, tracker: _Tracker,
@@ -93,7 +90,6 @@ async def _collect(gen: Generation, renderer: ChatRenderer | CompletionRenderer,
 
     work = asyncio.create_task(run())
     gone = asyncio.create_task(_disconnected(http))
-    status = CLIENT_CLOSED
     try:
         await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
@@ -101,15 +97,14 @@ async def _collect(gen: Generation, renderer: ChatRenderer | CompletionRenderer,
             return Response(status_code=CLIENT_CLOSED)
         error = work.result()
         if error is not None:
-            status = error.status
+            tracker.status = error.status
             return JSONResponse(error.body(), status_code=error.status)
-        status = 200
+        tracker.status = 200
         return JSONResponse(renderer.response())
     finally:
         work.cancel()
         gone.cancel()
-        gen.cancel()
-        tracker.done(status, gen)
+        tracker.finish()
 
 
 async def _disconnected(http: Request) -> None:
@@ -121,13 +116,17 @@ async def _disconnected(http: Request) -> None:
 
 
 class _Tracker:
-    """Metrics and the closing log line of one call."""
+    """The end of one call: stop what still runs, count it, log it (once)."""
 
-    def __init__(self, router: Router, call: Call, renderer: ChatRenderer | CompletionRenderer) -> None:
+    def __init__(self, router: Router, call: Call, renderer: ChatRenderer | CompletionRenderer,
+                 gen: Generation) -> None:
         self.router = router
         self.call = call
         self.renderer = renderer
+        self.gen = gen
+        self.status = CLIENT_CLOSED  # until the call ends otherwise
         self.first_token: float | None = None
+        self._finished = False
         call.http.state.counted = True  # the middleware leaves the request count to us
         router.metrics.running.inc()
 
@@ -136,17 +135,21 @@ class _Tracker:
             self.first_token = time.monotonic()
             self.router.metrics.ttft.observe(self.first_token - self.call.arrival)
 
-    def done(self, status: int, gen: Generation) -> None:
+    def finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self.gen.cancel()  # a no-op for choices that ended; aborts the rooms of the others
         m = self.router.metrics
         m.running.dec()
         elapsed = time.monotonic() - self.call.arrival
-        m.requests.labels(self.call.endpoint, str(status)).inc()
+        m.requests.labels(self.call.endpoint, str(self.status)).inc()
         m.e2e.observe(elapsed)
         m.prompt_tokens.inc(self.renderer.prompt_tokens)
         m.generation_tokens.inc(self.renderer.completion_tokens)
-        for seconds in gen.prefill_seconds:
+        for seconds in self.gen.prefill_seconds:
             m.prefill.observe(seconds)
         ttft = f"{self.first_token - self.call.arrival:.3f}s" if self.first_token else "-"
         logger.info("[%s] %s done: status %d, %d completion tokens, ttft %s, e2e %.3fs",
-                    self.call.request_id, self.call.endpoint, status, self.renderer.completion_tokens,
+                    self.call.request_id, self.call.endpoint, self.status, self.renderer.completion_tokens,
                     ttft, elapsed)

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from starlette.responses import StreamingResponse
@@ -27,16 +27,22 @@ def error_event(error: APIError) -> str:
 class SSEResponse(StreamingResponse):
     """A streaming response that always closes its generator when it ends, however it ends.
 
-    Starlette stops iterating when the client disconnects; closing the generator at once (not
-    whenever it is collected) runs its ``finally``, which aborts the request on the workers.
+    Starlette stops iterating when the client disconnects; the generator is closed at once (not
+    whenever it is collected) and ``on_close`` runs, which aborts the request on the workers.
     """
 
-    def __init__(self, content: AsyncGenerator[str, None], headers: dict[str, str] | None = None) -> None:
+    def __init__(self, content: AsyncGenerator[str, None], on_close: Callable[[], None] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(content, media_type=MEDIA_TYPE, headers={**HEADERS, **(headers or {})})
         self._generator = content
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._generator.aclose()
+            try:
+                await self._generator.aclose()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()

@@ -1,10 +1,11 @@
 """The workers the router knows, their health and load, and which ones a new request goes to.
 
 A poller asks every worker for /health and /load every ``health_interval_s``. A worker whose
-port refuses connections, or that has not answered well for ``dead_after_s``, or that reports
-itself wedged, is taken out of rotation and every request in flight on it is failed at once
-(so a client learns within about two seconds, not at a read timeout). A draining worker only
-stops getting new requests. A worker is put back as soon as it answers healthy again.
+port refuses connections, that has not answered for ``dead_after_s``, or that reports it failed
+is taken out of rotation and every request in flight on it fails at once (so a client learns
+within about two seconds, not at a read timeout). A worker that reports itself wedged (no loop
+step for a while) or draining gets no new requests; a wedged one's requests fail once it has
+been unwell for ``wedged_grace_s``. A worker is put back as soon as it answers healthy again.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pdserve.frontend.backend import Probe, WorkerClient, WorkerLoad
 from pdserve.frontend.errors import APIError, unavailable
 
 logger = logging.getLogger(__name__)
+MAX_PENDING_PROBES = 4  # per worker: a worker that hangs holds at most this many probes open
 
 
 class Role(str, enum.Enum):
@@ -71,8 +73,8 @@ class Route(NamedTuple):
 
 class WorkerPool:
     def __init__(self, client: WorkerClient, prefill: list[str], decode: list[str], both: list[str],
-                 *, interval_s: float = 0.5, timeout_s: float = 1.0, dead_after_s: float = 1.5,
-                 clock: Callable[[], float] = time.monotonic,
+                 *, interval_s: float = 0.5, timeout_s: float = 5.0, dead_after_s: float = 1.5,
+                 wedged_grace_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
                  on_health: Callable[[Worker], None] | None = None) -> None:
         self.client = client
         self.workers = ([Worker(_norm(u), Role.PREFILL) for u in prefill]
@@ -81,6 +83,7 @@ class WorkerPool:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.dead_after_s = dead_after_s
+        self.wedged_grace_s = wedged_grace_s
         self.clock = clock
         self.on_health = on_health
 
@@ -119,23 +122,52 @@ class WorkerPool:
     # ---- health --------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Poll every worker on its own schedule, forever (cancel to stop)."""
-        await asyncio.gather(*(self._poll(w) for w in self.workers))
+        """Probe every worker every `interval_s`, and watch for silence, forever (cancel to stop).
+
+        Probes do not wait for each other: a slow answer does not delay the next question, and a
+        worker counts as silent when no answer at all came for `dead_after_s`, however long one
+        probe's timeout is.
+        """
+        await asyncio.gather(*(self._poll(w) for w in self.workers), self._watch())
 
     async def _poll(self, w: Worker) -> None:
+        pending: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                if len(pending) < MAX_PENDING_PROBES:
+                    task = asyncio.create_task(self._probe_safely(w))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                await asyncio.sleep(self.interval_s)
+        finally:
+            for task in pending:
+                task.cancel()
+
+    async def _watch(self) -> None:
+        tick = self.interval_s / 4
+        last = self.clock()
         while True:
-            started = self.clock()
-            try:
-                await self.probe(w)
-            except Exception:  # a probe must never end the poller
-                logger.exception("probing worker %s failed", w.url)
-            await asyncio.sleep(max(0.0, self.interval_s - (self.clock() - started)))
+            await asyncio.sleep(tick)
+            now = self.clock()
+            late, last = now - last - tick, now
+            if late > 0.25:  # our own loop stalled: answers may be waiting unread; look next time
+                continue
+            for w in self.workers:
+                if (w.healthy or w.inflight) and now - w.last_ok >= self.dead_after_s:
+                    self.observe(w, Probe(False, "unreachable"))
+
+    async def _probe_safely(self, w: Worker) -> None:
+        try:
+            await self.probe(w)
+        except Exception:  # a probe must never end the poller
+            logger.exception("probing worker %s failed", w.url)
 
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in self.workers))
 
     async def probe(self, w: Worker) -> None:
         probe = await self.client.health(w.url, self.timeout_s)
+        answered_at = self.clock()
         if probe.ok and w.info is None:
             w.info = await self.client.info(w.url, self.timeout_s)
             self._check_role(w)
@@ -143,30 +175,38 @@ class WorkerPool:
             load = await self.client.load(w.url, self.timeout_s)
             if load is not None:
                 w.load = load
-        self.observe(w, probe)
+        self.observe(w, probe, answered_at)
 
-    def observe(self, w: Worker, probe: Probe) -> None:
+    def observe(self, w: Worker, probe: Probe, answered_at: float | None = None) -> None:
         """Apply one probe result to a worker (pure state change; no I/O)."""
         now = self.clock()
+        at = now if answered_at is None else answered_at
         was = (w.healthy, w.draining)
         w.status = probe.status
-        if probe.ok:
-            w.healthy, w.draining, w.last_ok = True, False, now
-        elif probe.answered and probe.status == "draining":
-            w.healthy, w.draining, w.last_ok = True, True, now
+        what = f"worker {w.url} ({w.role.value}) is {probe.status}"
+        if probe.ok or (probe.answered and probe.status == "draining"):
+            w.healthy, w.draining, w.last_ok = True, probe.status == "draining", max(w.last_ok, at)
+        elif probe.answered and probe.status == "wedged":
+            # Its loop made no step for a while: no new requests. A long step under load looks
+            # the same at first, so its requests get `wedged_grace_s` more before they fail.
+            w.healthy = w.draining = False
+            if now - w.last_ok >= self.wedged_grace_s:
+                self.fail_inflight(w, what)
         elif probe.answered or probe.status == "refused" or now - w.last_ok >= self.dead_after_s:
-            # It says it is unwell (wedged, failed), its port is closed, or it stopped answering.
-            self.take_out(w, f"worker {w.url} ({w.role.value}) is {probe.status}")
+            # It says it failed, its port is closed, or it stopped answering.
+            w.healthy = w.draining = False
+            self.fail_inflight(w, what)
+        if not w.healthy:
+            w.info = None  # read again when it is back: it may be a new process
         if (w.healthy, w.draining) != was:
-            logger.info("worker %s (%s) is now %s", w.url, w.role.value,
-                        "draining" if w.draining else "healthy" if w.healthy else "out of rotation")
+            logger.info("worker %s (%s) is now %s (status %s, last answer %.1f s ago)", w.url, w.role.value,
+                        "draining" if w.draining else "healthy" if w.healthy else "out of rotation",
+                        probe.status, now - w.last_ok)
             if self.on_health is not None:
                 self.on_health(w)
 
-    def take_out(self, w: Worker, reason: str) -> None:
-        """Out of rotation; its in-flight requests fail now with 503."""
-        w.healthy = w.draining = False
-        w.info = None  # read again when it comes back: it may be a new process
+    def fail_inflight(self, w: Worker, reason: str) -> None:
+        """Every request in flight on `w` fails now with 503."""
         victims = list(w.inflight)
         w.inflight.clear()
         if victims:

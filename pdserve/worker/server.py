@@ -204,6 +204,8 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
                     return {"status": "done"}
                 if out.finish_reason in ("error", "abort"):
                     done = True
+                    if out.finish_reason == "error":  # the decode worker may have restarted
+                        bootstraps.pop(body.decode.worker_id, None)
                     return {"status": "failed", "error": out.error or "aborted"}
         finally:
             worker.release(rid)

@@ -1,0 +1,166 @@
+"""Workers that die or stop answering under a streaming request: the client gets an error within
+2 s, the worker leaves the rotation, and comes back (or its replacement does) when healthy.
+
+Real worker processes (started as `pdserve serve` starts them) and a router in this process."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+
+from pdserve.frontend.app import create_app
+from pdserve.launcher import Child, start_child, stop_children, wait_ready
+
+from tests.frontend.conftest import free_port, router_config
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+
+CHAT = "/v1/chat/completions"
+LONG = {"messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000,
+        "temperature": 0, "ignore_eos": True, "stream": True}
+SHORT = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 3, "temperature": 0}
+FAIL_FAST_S = 2.0
+
+
+def worker(role: str, model_dir: str, port: int | None = None) -> Child:
+    import sys
+
+    port = port or free_port()
+    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", role, "--model", model_dir,
+           "--port", str(port), "--worker-id", f"{role}-{port}-{time.time_ns()}", "--threads", "1", "--exit-with-parent"]
+    child = start_child(role, cmd, f"http://127.0.0.1:{port}")
+    wait_ready([child], 300)
+    return child
+
+
+class RouterThread:
+    def __init__(self, config) -> None:
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=self.port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def cluster(default_model_dir) -> Iterator[dict]:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    prefill = worker("prefill", default_model_dir)
+    decode = worker("decode", default_model_dir)
+    router = RouterThread(router_config(default_model_dir, prefill_urls=[prefill.url],
+                                        decode_urls=[decode.url], api_key=None))
+    state = {"prefill": prefill, "decode": decode, "router": router, "model_dir": default_model_dir}
+    yield state
+    router.stop()
+    stop_children([state["prefill"], state["decode"]])
+
+
+def stream_until_error(url: str, after_tokens: int, fault, body: dict = LONG) -> tuple[float, dict]:
+    """Stream `body`; after `after_tokens` events call `fault()`; return (seconds to error, error)."""
+    with httpx.Client(timeout=60) as http, http.stream("POST", url + CHAT, json=body) as r:
+        assert r.status_code == 200
+        seen, faulted_at = 0, None
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            payload = line[6:]
+            assert payload != "[DONE]", "the stream finished instead of failing"
+            body = json.loads(payload)
+            if "error" in body:
+                return time.monotonic() - faulted_at, body["error"]
+            seen += 1
+            if seen == after_tokens:
+                fault()
+                faulted_at = time.monotonic()
+    raise AssertionError("the stream ended without an error event")
+
+
+def router_health(url: str) -> int:
+    return httpx.get(url + "/health", timeout=5).status_code
+
+
+def wait_for(cond, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_a_decode_worker_that_stops_answering_fails_its_stream_within_2s(cluster):
+    router, decode = cluster["router"], cluster["decode"]
+    pid = decode.proc.pid
+    try:
+        elapsed, error = stream_until_error(router.url, 3, lambda: os.killpg(pid, signal.SIGSTOP))
+        assert elapsed <= FAIL_FAST_S, elapsed
+        assert error["code"] == "service_unavailable" and set(error) == {"message", "type", "param", "code"}
+        assert router_health(router.url) == 503
+        r = httpx.post(router.url + CHAT, json=SHORT, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+    finally:
+        os.killpg(pid, signal.SIGCONT)
+    wait_for(lambda: router_health(router.url) == 200, 10, "the decode worker back in rotation")
+    assert httpx.post(router.url + CHAT, json=SHORT, timeout=60).status_code == 200
+    wait_for(lambda: _idle(decode.url), 10, "the decode worker's blocks back in its pool")
+
+
+def test_a_killed_decode_worker_fails_its_stream_within_2s_and_a_new_one_serves(cluster):
+    router, decode = cluster["router"], cluster["decode"]
+    port = int(decode.url.rsplit(":", 1)[1])
+    elapsed, error = stream_until_error(router.url, 3, lambda: os.killpg(decode.proc.pid, signal.SIGKILL))
+    assert elapsed <= FAIL_FAST_S, elapsed
+    assert error["type"] == "server_error"
+    decode.proc.wait(timeout=10)
+    wait_for(lambda: router_health(router.url) == 503, 5, "the router to notice")
+    cluster["decode"] = worker("decode", cluster["model_dir"], port)  # same URL, new process and id
+    wait_for(lambda: router_health(router.url) == 200, 10, "the new decode worker in rotation")
+    r = httpx.post(router.url + CHAT, json=SHORT, timeout=60)
+    assert r.status_code == 200, r.text
+    wait_for(lambda: _idle(cluster["prefill"].url), 10, "the prefill worker idle")
+
+
+def test_a_prefill_worker_killed_mid_prefill_fails_the_request_within_2s(cluster):
+    router, prefill = cluster["router"], cluster["prefill"]
+    port = int(prefill.url.rsplit(":", 1)[1])
+    body = {**LONG, "messages": [{"role": "user", "content": " hello" * 3000}], "max_tokens": 4}
+
+    def kill_during_prefill() -> None:
+        time.sleep(0.5)  # the room is allocated and the prefill of ~3000 tokens under way
+        os.killpg(prefill.proc.pid, signal.SIGKILL)
+
+    elapsed, error = stream_until_error(router.url, 1, kill_during_prefill, body)  # 1: the role chunk
+    assert elapsed <= FAIL_FAST_S, elapsed
+    assert error["type"] == "server_error"
+    prefill.proc.wait(timeout=10)
+    wait_for(lambda: _idle(cluster["decode"].url), 10, "the decode worker's blocks back in its pool")
+    cluster["prefill"] = worker("prefill", cluster["model_dir"], port)
+    wait_for(lambda: router_health(router.url) == 200, 10, "the new prefill worker in rotation")
+    r = httpx.post(router.url + CHAT, json=SHORT, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def _idle(url: str) -> bool:
+    load = httpx.get(url + "/load", timeout=5).json()
+    return load["running"] == load["waiting"] == load["transferring"] == 0 and \
+        load["free_blocks"] == load["total_blocks"]
+
+
+def test_worker_pids_are_ours(cluster):
+    """Sanity: the processes this module kills are the workers it started."""
+    for role in ("prefill", "decode"):
+        cmdline = Path(f"/proc/{cluster[role].proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert role.encode() in cmdline

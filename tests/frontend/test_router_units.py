@@ -1,0 +1,389 @@
+"""Router pieces without processes: request models, errors, SSE, length checks, choices, batching,
+output decoding, request ids, worker selection and health bookkeeping, response rendering."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.frontend import sse
+from pdserve.frontend.backend import Probe, WorkerLoad
+from pdserve.frontend.batching import DeltaBatcher
+from pdserve.frontend.choice import ChoiceEvent
+from pdserve.frontend.errors import APIError, context_too_long, validation_message
+from pdserve.frontend.ids import RequestIds, room_ids
+from pdserve.frontend.output import OutputDelta, TextDecoder, TokenLogprob
+from pdserve.frontend.params import expand_choices, resolve_max_tokens, sampling_params, worker_params
+from pdserve.frontend.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest
+from pdserve.frontend.render import ChatRenderer, CompletionRenderer
+from pdserve.frontend.workers import Role, WorkerPool
+
+# ---- request models ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", ["text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]])
+def test_completion_prompt_accepts_text_lists_and_token_ids(prompt):
+    assert CompletionRequest(prompt=prompt).prompt == prompt
+
+
+def test_completion_defaults_follow_openai():
+    req = CompletionRequest(prompt="x")
+    assert (req.max_tokens, req.n, req.stream, req.echo, req.logprobs) == (16, 1, False, False, None)
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_tokens=5,
+                                max_completion_tokens=7)
+    assert req.output_limit == 7
+
+
+def test_stop_accepts_a_string_or_a_list_up_to_the_limit():
+    msgs = [{"role": "user", "content": "x"}]
+    assert ChatCompletionRequest(messages=msgs, stop="END").stop_list() == ["END"]
+    assert ChatCompletionRequest(messages=msgs, stop=["a"] * MAX_STOP).stop_list() == ["a"] * MAX_STOP
+    with pytest.raises(ValidationError):
+        ChatCompletionRequest(messages=msgs, stop=["a"] * (MAX_STOP + 1))
+
+
+def test_text_content_parts_are_joined():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "Hello, "}, {"type": "text", "text": "world"}]}])
+    assert req.messages[0].text() == "Hello, world"
+
+
+def test_stream_options_need_stream():
+    with pytest.raises(ValidationError):
+        CompletionRequest(prompt="x", stream_options={"include_usage": True})
+    assert CompletionRequest(prompt="x", stream=True, stream_options={"include_usage": True}).include_usage
+
+
+# ---- errors and SSE ----------------------------------------------------------------------------
+
+
+def test_error_body_is_an_openai_error_object():
+    body = APIError("bad", 400, "invalid_request_error", "n", "x").body()
+    assert body == {"error": {"message": "bad", "type": "invalid_request_error", "param": "n", "code": "x"}}
+
+
+def test_validation_message_names_the_field():
+    try:
+        ChatCompletionRequest(messages=[{"role": "wizard", "content": "x"}])
+    except ValidationError as e:
+        message, param = validation_message(e.errors(include_url=False))
+    assert param == "messages.0.role"
+    assert message.startswith("messages.0.role:")
+
+
+def test_context_error_carries_the_numbers():
+    err = context_too_long(8192, 8000, 500, "messages")
+    assert err.status == 400 and err.code == "context_length_exceeded"
+    assert all(str(n) in err.message for n in (8192, 8500, 8000, 500))
+
+
+def test_sse_events_are_data_lines_ending_in_a_blank_line():
+    assert sse.event({"a": "é"}) == 'data: {"a":"é"}\n\n'
+    assert sse.DONE == "data: [DONE]\n\n"
+    text = sse.error_event(APIError("boom", 503, "server_error"))
+    assert text.startswith("data: ") and text.endswith("\n\n")
+    assert json.loads(text[6:])["error"]["message"] == "boom"
+
+
+# ---- lengths and sampling ----------------------------------------------------------------------
+
+
+def test_max_tokens_must_fit_the_context_with_the_prompt():
+    assert resolve_max_tokens(10, 100, 200, "prompt") == 10
+    assert resolve_max_tokens(100, 100, 200, "prompt") == 100  # exactly full is fine
+    assert resolve_max_tokens(None, 150, 200, "messages") == 50  # default: what is left
+    with pytest.raises(APIError) as e:
+        resolve_max_tokens(101, 100, 200, "prompt")
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(APIError):
+        resolve_max_tokens(None, 200, 200, "messages")  # no room for even one token
+
+
+def test_n_choices_get_consecutive_seeds():
+    params = SamplingParams(seed=41)
+    assert [p.seed for p in expand_choices(params, 3)] == [41, 42, 43]
+    copies = expand_choices(SamplingParams(), 2)
+    assert [p.seed for p in copies] == [None, None] and copies[0] is not copies[1]
+
+
+def test_sampling_params_from_request_extras():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], top_k=-1, min_p=0.1,
+                                repetition_penalty=1.2, logit_bias={"5": -100}, seed=-1, stop="z")
+    p = sampling_params(req, 8, None, vocab_size=100)
+    assert (p.top_k, p.min_p, p.repetition_penalty, p.logit_bias, p.max_tokens) == (0, 0.1, 1.2, {5: -100.0}, 8)
+    assert 0 <= p.seed < 2**63 and p.stop == ["z"]
+    wire = worker_params(p)
+    assert "stop" not in wire and wire["logit_bias"] == {"5": -100.0}
+
+
+def test_min_tokens_over_max_tokens_is_a_400_naming_min_tokens():
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], min_tokens=9)
+    with pytest.raises(APIError) as e:
+        sampling_params(req, 4, None, vocab_size=100)
+    assert e.value.status == 400 and e.value.param == "min_tokens"
+
+
+# ---- output decoding and stream batching -------------------------------------------------------
+
+
+def test_first_token_goes_alone_then_groups_of_n():
+    b = DeltaBatcher(3)
+    sizes = []
+    for t in range(8):
+        out = b.add(t, OutputDelta(str(t)))
+        if out is not None:
+            sizes.append(len(out.token_ids))
+    sizes.append(len(b.take().token_ids))
+    assert sizes == [1, 3, 3, 1]
+
+
+def _decode_batched(tokenizer, ids, stop, size):
+    dec, b, events = TextDecoder(tokenizer, stop), DeltaBatcher(size), []
+    for t in ids:
+        out = b.add(t, dec.push(t))
+        if out is not None:
+            events.append(out)
+        if dec.stopped:
+            break
+    b.add_text(dec.finish())
+    events.append(b.take())
+    return events, dec.stopped
+
+
+@pytest.mark.parametrize("stop", [[], ["brown fox"], ["lazy", "quick"], ["\n\n"]])
+def test_stream_batching_gives_the_same_text_at_every_n(tokenizer, stop):
+    text = "The quick brown fox — naïve café 日本語 — jumps over the lazy dog.\n\nDone. " * 2
+    ids = tokenizer.encode(text) + [tokenizer.eos_token_id]
+    outputs = set()
+    for n in range(1, 9):
+        events, _ = _decode_batched(tokenizer, ids, stop, n)
+        assert all(len(e.token_ids) <= n for e in events)
+        outputs.add("".join(e.delta.content for e in events))
+    assert len(outputs) == 1
+    (out,) = outputs
+    assert out == (text[:min(text.find(s) for s in stop)] if stop else text)
+
+
+def test_special_tokens_are_not_printed(tokenizer):
+    dec = TextDecoder(tokenizer, [])
+    ids = tokenizer.encode("<|im_start|>assistant\nHi<|im_end|>")
+    text = "".join(dec.push(t).content for t in ids) + dec.finish().content
+    assert text == "assistant\nHi"
+
+
+def test_stop_string_split_across_tokens_is_never_sent(tokenizer):
+    dec = TextDecoder(tokenizer, ["STOP HERE"])
+    sent = ""
+    for t in tokenizer.encode("abc STOP HERE def"):
+        sent += dec.push(t).content
+        assert "STOP" not in sent
+        if dec.stopped:
+            break
+    assert dec.stopped and sent + dec.finish().content == "abc "
+
+
+# ---- request ids -------------------------------------------------------------------------------
+
+
+def test_request_id_is_accepted_or_generated():
+    assert RequestIds.client_id("my-id_1.2:3") == "my-id_1.2:3"
+    assert len(RequestIds.client_id(None)) == 32
+    with pytest.raises(APIError):
+        RequestIds.client_id("has space")
+
+
+def test_a_reused_request_id_gets_a_fresh_room_id():
+    ids = RequestIds(remember=2)
+    assert [ids.room_base("a"), ids.room_base("a"), ids.room_base("b")] == ["a", "a~1", "b"]
+    assert room_ids("r", 1) == ["r"] and room_ids("r", 3) == ["r-0", "r-1", "r-2"]
+
+
+# ---- worker selection and health ---------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Victim:
+    def __init__(self) -> None:
+        self.errors: list[APIError] = []
+
+    def fail(self, error: APIError) -> None:
+        self.errors.append(error)
+
+
+def _pool(prefill=1, decode=1, both=0, clock=None):
+    pool = WorkerPool(None, [f"p{i}:1" for i in range(prefill)], [f"d{i}:1" for i in range(decode)],
+                      [f"b{i}:1" for i in range(both)], dead_after_s=1.5, clock=clock or Clock())
+    for w in pool.workers:
+        w.info = {"worker_id": w.url}
+        pool.observe(w, Probe(True, "ok"))
+    return pool
+
+
+def test_pick_takes_the_least_loaded_decode_and_prefill():
+    pool = _pool(prefill=2, decode=2)
+    p0, p1 = pool.of_role(Role.PREFILL)
+    d0, d1 = pool.of_role(Role.DECODE)
+    d0.load, p1.load = WorkerLoad(running=3), WorkerLoad(waiting=2)
+    route = pool.pick()
+    assert (route.decode, route.prefill) == (d1, p0)
+
+
+def test_requests_in_flight_count_before_the_next_load_report():
+    pool = _pool(decode=2)
+    d0, d1 = pool.of_role(Role.DECODE)
+    d0.inflight.add(Victim())
+    assert pool.pick().decode is d1
+
+
+def test_colocated_workers_need_no_prefill():
+    route = _pool(prefill=0, decode=0, both=1).pick()
+    assert route.decode.role is Role.BOTH and route.prefill is None
+
+
+def test_no_worker_is_a_503():
+    pool = _pool()
+    for w in pool.workers:
+        pool.observe(w, Probe(False, "refused"))
+    with pytest.raises(APIError) as e:
+        pool.pick()
+    assert e.value.status == 503 and not pool.ready
+
+
+def test_a_refused_port_fails_in_flight_requests_at_once():
+    pool = _pool()
+    decode = pool.of_role(Role.DECODE)[0]
+    victim = Victim()
+    decode.inflight.add(victim)
+    pool.observe(decode, Probe(False, "refused"))
+    assert not decode.healthy and len(victim.errors) == 1 and victim.errors[0].status == 503
+
+
+def test_a_silent_worker_is_taken_out_after_dead_after_s():
+    clock = Clock()
+    pool = _pool(clock=clock)
+    decode = pool.of_role(Role.DECODE)[0]
+    victim = Victim()
+    decode.inflight.add(victim)
+    clock.t += 1.0
+    pool.observe(decode, Probe(False, "unreachable"))
+    assert decode.healthy and not victim.errors  # one slow probe is not death
+    clock.t += 0.5
+    pool.observe(decode, Probe(False, "unreachable"))
+    assert not decode.healthy and victim.errors
+
+
+def test_a_wedged_worker_gets_no_new_requests_and_fails_its_own_after_the_grace():
+    clock = Clock()
+    pool = _pool(clock=clock)
+    decode = pool.of_role(Role.DECODE)[0]
+    victim = Victim()
+    decode.inflight.add(victim)
+    pool.observe(decode, Probe(True, "wedged"))
+    assert not decode.healthy and not pool.ready and not victim.errors
+    clock.t += pool.wedged_grace_s
+    pool.observe(decode, Probe(True, "wedged"))
+    assert victim.errors
+
+
+def test_a_failed_worker_fails_its_requests_at_once_and_is_back_when_healthy():
+    pool = _pool()
+    decode = pool.of_role(Role.DECODE)[0]
+    victim = Victim()
+    decode.inflight.add(victim)
+    pool.observe(decode, Probe(True, "failed"))
+    assert not decode.healthy and victim.errors
+    decode.info = {"worker_id": "d"}
+    pool.observe(decode, Probe(True, "ok"))
+    assert decode.healthy and pool.ready
+
+
+def test_a_draining_worker_keeps_its_requests_but_gets_no_new_ones():
+    pool = _pool(decode=2)
+    d0, d1 = pool.of_role(Role.DECODE)
+    victim = Victim()
+    d0.inflight.add(victim)
+    pool.observe(d0, Probe(True, "draining"))
+    assert not victim.errors and {pool.pick().decode for _ in range(3)} == {d1}
+
+
+def test_a_prefill_worker_without_a_worker_id_is_not_picked():
+    pool = _pool()
+    pool.of_role(Role.PREFILL)[0].info = None
+    assert not pool.ready
+
+
+# ---- rendering ---------------------------------------------------------------------------------
+
+
+def _event(index, text, ids, finish=None, logprobs=()):
+    from pdserve.frontend.batching import Batch
+
+    return ChoiceEvent(index, Batch(OutputDelta(text), list(ids), list(logprobs)), finish, None, len(ids))
+
+
+def test_chat_stream_opens_with_the_role_and_ends_with_usage(tokenizer):
+    r = ChatRenderer("chatcmpl-x", "m", 2, 10, tokenizer, include_usage=True)
+    opening = r.opening()
+    assert [c["choices"][0]["delta"] for c in opening] == [{"role": "assistant", "content": ""}] * 2
+    chunk = r.absorb(_event(1, "Hi", [5], "stop"))
+    assert chunk["choices"] == [{"index": 1, "delta": {"content": "Hi"}, "logprobs": None,
+                                 "finish_reason": "stop"}]
+    assert chunk["usage"] is None and chunk["object"] == "chat.completion.chunk"
+    assert r.usage_chunk()["choices"] == [] and r.usage_chunk()["usage"]["total_tokens"] == 11
+    assert r.absorb(_event(0, "", [])) is None
+
+
+def test_completion_logprobs_have_tokens_and_offsets(tokenizer):
+    ids = tokenizer.encode("Hello world")
+    lps = [TokenLogprob(t, -0.5, [(t, -0.5), (0, -3.0)]) for t in ids]
+    r = CompletionRenderer("cmpl-x", "m", 1, 3, tokenizer, echo=["Say: "], logprobs=1)
+    r.absorb(_event(0, "Hello world", ids, "length", lps))
+    choice = r.response()["choices"][0]
+    assert choice["text"] == "Say: Hello world"
+    assert choice["logprobs"]["tokens"] == ["Hello", " world"]
+    assert choice["logprobs"]["text_offset"] == [5, 10]
+    assert choice["logprobs"]["top_logprobs"] == [{"Hello": -0.5}, {" world": -0.5}]
+
+
+# ---- one choice's life, without workers ----------------------------------------------------------
+
+
+def test_a_choice_failed_before_its_first_step_still_ends_with_an_error_and_aborts(tokenizer):
+    import asyncio
+
+    from pdserve.frontend.choice import ChoiceRun, ChoiceSpec, Services
+    from pdserve.frontend.errors import unavailable
+    from pdserve.frontend.workers import Route, Worker
+
+    async def scenario():
+        events, aborts = [], []
+
+        def spawn(coro):
+            aborts.append(coro.cr_frame.f_locals.get("urls") if coro.cr_frame else None)
+            coro.close()
+
+        route = Route(Worker("http://d", Role.DECODE), Worker("http://p", Role.PREFILL))
+        run = ChoiceRun(ChoiceSpec(0, "r", [1, 2], SamplingParams()), route, TextDecoder(tokenizer, []),
+                        events.append, Services(None, spawn))
+        assert route.decode.inflight == {run} and route.prefill.inflight == {run}
+        run.start()
+        run.fail(unavailable("the decode worker died"))
+        await asyncio.sleep(0.01)
+        return events, aborts, route
+
+    events, aborts, route = asyncio.run(scenario())
+    assert len(events) == 1 and events[0].error.status == 503
+    assert aborts == [["http://d", "http://p"]]
+    assert not route.decode.inflight and not route.prefill.inflight
