@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -54,12 +55,14 @@ def start_worker(role: str, model: str, *extra: str, worker_id: str | None = Non
     cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING",
            "worker", "--role", role, "--model", model, "--port", str(port), "--worker-id", worker_id,
            "--threads", "1", *extra]
-    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # the log goes to a file: an undrained pipe would block the worker once it fills up
+    log = tempfile.NamedTemporaryFile(prefix=f"pdserve-{role}-{port}-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=log)
     w = WorkerProc(role, f"http://127.0.0.1:{port}", proc, worker_id)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{role} worker exited: {proc.stderr.read().decode()[-3000:]}")
+            raise RuntimeError(f"{role} worker exited: {open(log.name).read()[-3000:]}")
         try:
             if w.get("/ready").status_code == 200:
                 return w
