@@ -59,6 +59,10 @@ def share_bootstrap(comm, agent) -> list[str] | None:
 def rank_main(rank: int, size: int, port: int, engine_config, settings) -> None:
     if sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # die with rank 0
+    # a signal to the whole process group is rank 0's to handle: it drains, then its plan
+    # tells every rank to stop; a rank that died on SIGTERM would break that shutdown
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
     from pdserve.distributed.groups import init_tp
