@@ -9,29 +9,36 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 
-from .conftest import PDClient, pool_full, wait_for
+from .conftest import PDClient, pool_full, start_worker, wait_for
 
-PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time",
-           "List three colors:", "1 2 3 4 5", "Roses are red,"]
+PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "List three colors:",
+           "1 2 3 4 5", "Roses are red,", "The quick brown fox", "Water boils at", "Dear Sir or Madam,",
+           "import numpy as np\n", "In 1492, Columbus", "Q: What is 2+2?\nA:", "A list of fruits: apple,",
+           "The mitochondria is the", "Translate to French: cat", "Hello"]
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(300)
-def test_pd_greedy_equals_engine_alone(pd_pair, default_model_dir):
+@pytest.mark.timeout(400)
+def test_pd_and_colocated_greedy_equal_engine_alone(pd_pair, default_model_dir):
+    """PD changes nothing: 16 prompts give the engine's greedy tokens through PD and colocated."""
     prefill, decode = pd_pair
     llm = LLM(EngineConfig(model=default_model_dir))
     ids = [llm.prompt_ids(p) for p in PROMPTS]
     ref = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    both = start_worker("both", default_model_dir)
 
-    async def run():
-        c = PDClient(prefill, decode)
-        return await asyncio.gather(*(c.generate(f"eq-{i}", p, {"temperature": 0, "max_tokens": 16,
+    async def run(p, d):
+        c = PDClient(p, d)
+        return await asyncio.gather(*(c.generate(f"eq-{i}", x, {"temperature": 0, "max_tokens": 16,
                                                                "ignore_eos": True})
-                                      for i, p in enumerate(ids)))
-    results = asyncio.run(run())
-    for (tokens, reason, err), r in zip(results, ref):
-        assert err is None and reason == "length"
-        assert tokens == r.token_ids
+                                      for i, x in enumerate(ids)))
+    try:
+        for results in (asyncio.run(run(prefill, decode)), asyncio.run(run(None, both))):
+            for (tokens, reason, err), r in zip(results, ref):
+                assert err is None and reason == "length"
+                assert tokens == r.token_ids
+    finally:
+        both.stop()
     wait_for(lambda: pool_full(prefill) and pool_full(decode), what="both pools full")
 
 
