@@ -2,18 +2,23 @@
 
 The workers (one prefill + one decode, or one colocated worker) run as ``python -m pdserve.cli
 prefill|decode|worker`` on free loopback ports, each in its own process group, their output
-relayed to our stderr with a name prefix. Once every worker's /ready answers, the router serves
-here (uvicorn) and the URL is printed to stdout. Ctrl-C or SIGTERM stops the router, then the
-workers: SIGTERM to each process group, a grace period, SIGKILL for stragglers. Each child also
-gets PR_SET_PDEATHSIG, so a launcher killed outright (SIGKILL) still takes its workers along.
-If a worker exits during start-up, its last lines of output are shown and serve exits with 1;
-if one exits while serving, the router stops and serve exits with 1.
+relayed to our stderr with a name prefix (as they are with --log-json: JSON lines name their
+component). Once every worker's /ready answers, the router serves here (uvicorn) and the URL is
+printed to stdout. Ctrl-C or SIGTERM drains the router (new requests get 503, those in flight
+get --drain-timeout seconds, the rest are stopped with an error and their rooms aborted), logs
+each worker's load (its KV pool is full again: nothing leaked), then stops the workers: SIGTERM
+to each process group (they drain too, with nothing left to drain), a grace period, SIGKILL for
+stragglers; serve exits with 0. Each child also gets PR_SET_PDEATHSIG, so a launcher killed
+outright (SIGKILL) still takes its workers along. If a worker exits during start-up, its last
+lines of output are shown and serve exits with 1; if one exits while serving, the router stops
+and serve exits with 1.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import collections
+import json
 import logging
 import os
 import signal
@@ -31,10 +36,14 @@ import httpx
 
 from pdserve.frontend.cli import quiet_http_logs, resolve_model_dir, router_config
 from pdserve.frontend.config import RouterConfig
+from pdserve.frontend.output import check_output_profile
+from pdserve.parsers import ProfileError
+from pdserve.logs import setup_logging
 
 logger = logging.getLogger(__name__)
 
-STOP_GRACE_S = 10.0
+STOP_GRACE_S = 10.0   # beyond the workers' own drain timeout
+POOLS_WAIT_S = 3.0    # at exit: how long the workers' aborts may take to free their blocks
 TAIL_LINES = 40
 # Runs in the child before the worker: die with the launcher (Linux), then exec the worker.
 _TRAMPOLINE = """\
@@ -64,6 +73,7 @@ class Child:
     url: str
     proc: subprocess.Popen[bytes]
     tail: collections.deque[str] = field(default_factory=lambda: collections.deque(maxlen=TAIL_LINES))
+    json_logs: bool = False   # relay JSON lines as they are (others wrapped into JSON)
 
     def tail_text(self) -> str:
         return "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
@@ -86,7 +96,8 @@ def worker_commands(args: argparse.Namespace, model_dir: Path) -> list[tuple[str
     for name, role_args in roles:
         port = free_port()
         cmd = [*head, *role_args, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-               "--worker-id", f"{name}-{port}", "--exit-with-parent", *engine_flags(args), *args.worker_arg]
+               "--worker-id", f"{name}-{port}", "--exit-with-parent", *engine_flags(args),
+               *lifecycle_flags(args), *args.worker_arg]
         out.append((name, cmd, f"http://127.0.0.1:{port}"))
     return out
 
@@ -101,11 +112,21 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def start_child(name: str, cmd: list[str], url: str) -> Child:
+def lifecycle_flags(args: argparse.Namespace) -> list[str]:
+    """The workers drain as long as the router does, and log as it does."""
+    flags = []
+    if getattr(args, "drain_timeout", None) is not None:
+        flags += ["--drain-timeout", str(args.drain_timeout)]
+    if getattr(args, "log_json", False):
+        flags.append("--log-json")
+    return flags
+
+
+def start_child(name: str, cmd: list[str], url: str, json_logs: bool = False) -> Child:
     full = [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *cmd]
     proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
-    child = Child(name, url, proc)
+    child = Child(name, url, proc, json_logs=json_logs)
     if proc.stdout is None:  # cannot happen with stdout=PIPE; keeps the type checker honest
         raise RuntimeError("no pipe to the child's output")
     threading.Thread(target=_relay, args=(child, proc.stdout), name=f"relay-{name}", daemon=True).start()
@@ -114,12 +135,19 @@ def start_child(name: str, cmd: list[str], url: str) -> Child:
 
 
 def _relay(child: Child, stream: IO[bytes]) -> None:
-    """Copy a child's output to our stderr, prefixed, and keep its last lines."""
+    """Copy a child's output to our stderr, prefixed (JSON lines: as they are; other lines
+    wrapped into JSON), and keep its last lines."""
     for raw in iter(stream.readline, b""):
         line = raw.decode("utf-8", errors="replace").rstrip("\n")
         child.tail.append(line)
+        if not child.json_logs:
+            out = f"[{child.name}] {line}"
+        elif line.startswith("{"):
+            out = line
+        else:
+            out = json.dumps({"component": child.name, "logger": "output", "message": line}, ensure_ascii=False)
         try:
-            sys.stderr.write(f"[{child.name}] {line}\n")
+            sys.stderr.write(f"{out}\n")
             sys.stderr.flush()
         except (OSError, ValueError):  # our stderr is gone; keep draining the pipe
             pass
@@ -153,6 +181,31 @@ def wait_ready(children: list[Child], timeout_s: float) -> None:
                 time.sleep(0.25)
 
 
+def report_pools(children: list[Child], wait_s: float = POOLS_WAIT_S) -> None:
+    """Log each live worker's load once it is idle with its KV pool full again (or once `wait_s`
+    passed): the record that a shutdown left no request and no block behind."""
+    deadline = time.monotonic() + wait_s
+    with httpx.Client(trust_env=False, timeout=2.0) as http:
+        for child in children:
+            load = None
+            while child.proc.poll() is None:
+                try:
+                    load = http.get(f"{child.url}/load").json()
+                except (httpx.HTTPError, ValueError):
+                    load = None
+                    break
+                busy = load["waiting"] + load["running"] + load["transferring"] + load.get("in_flight", 0)
+                if (not busy and load["free_blocks"] == load["total_blocks"]) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            if load is None:
+                logger.warning("at exit: the %s worker did not report its load", child.name)
+                continue
+            logger.info("at exit: %s worker: %d/%d KV blocks free, %d waiting, %d running, %d transferring, "
+                        "%d in flight", child.name, load["free_blocks"], load["total_blocks"], load["waiting"],
+                        load["running"], load["transferring"], load.get("in_flight", 0))
+
+
 def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
     """SIGTERM every child's process group, wait up to `grace_s`, SIGKILL what is left."""
     for child in children:
@@ -180,13 +233,11 @@ def _signal_group(child: Child, sig: signal.Signals) -> None:
 
 
 async def _serve_router(config: RouterConfig, host: str, port: int, children: list[Child], mode: str) -> int:
-    import uvicorn
-
     from pdserve.frontend.app import create_app
+    from pdserve.frontend.server import RouterServer
 
     quiet_http_logs()
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host=host, port=port, access_log=False,
-                                           log_level="warning", timeout_graceful_shutdown=5))
+    server = RouterServer(create_app(config), host, port)
     task = asyncio.create_task(server.serve())
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
@@ -211,21 +262,25 @@ def serve(args: argparse.Namespace) -> int:
     def interrupted(signum: int, frame: FrameType | None) -> None:
         raise _Interrupted(signum)
 
+    setup_logging(args.log_json, "router")
     previous = {s: signal.signal(s, interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
     children: list[Child] = []
+    served = False
     try:
         model_dir = resolve_model_dir(args.model)
+        check_output_profile(model_dir)  # a tokenizer the output parser cannot read: before any worker
         for name, cmd, url in worker_commands(args, model_dir):
-            children.append(start_child(name, cmd, url))
+            children.append(start_child(name, cmd, url, args.log_json))
         wait_ready(children, args.startup_timeout)
         urls = {c.name: [c.url] for c in children}
         config = router_config(args, model_dir, urls.get("prefill", []), urls.get("decode", []),
                                urls.get("worker", []))
+        served = True
         return asyncio.run(_serve_router(config, args.host, args.port, children, args.mode))
     except _Interrupted:
         logger.info("interrupted; shutting down")
         return 0
-    except StartupError as e:
+    except (StartupError, ProfileError) as e:
         logger.error("%s", e)
         print(f"pdserve: {e}", file=sys.stderr, flush=True)
         return 1
@@ -233,7 +288,9 @@ def serve(args: argparse.Namespace) -> int:
         # Signals during the shutdown itself must not cut it short.
         for s in previous:
             signal.signal(s, signal.SIG_IGN)
-        stop_children(children)
+        if served:
+            report_pools(children)
+        stop_children(children, args.drain_timeout + STOP_GRACE_S)
         for s, handler in previous.items():
             signal.signal(s, handler)
 
@@ -245,8 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m pdserve.launcher")
     add_serve_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_json, "router", logging.INFO)
     return int(args.func(args))
 
 

@@ -173,13 +173,20 @@ class WorkerMetrics(_Base):
 
 
 class RouterMetrics(_Base):
-    """What the router exposes: latencies as the client sees them, and parser diagnostics."""
+    """What the router exposes: latencies as the client sees them, and parser diagnostics.
+
+    The router's view of a request: *waiting* from its acceptance to its first token (queued
+    on a worker, prefilling, transferring), then *running* until it finishes. The two gauges
+    never count one request twice, as vLLM's running and waiting do not.
+    """
 
     def __init__(self, model_name: str, clock: Callable[[], float] = time.monotonic) -> None:
         super().__init__("router", model_name)
         self.clock = clock
         self.num_requests_running = self._gauge(
-            "num_requests_running", "Requests in flight at the router (accepted, not finished).")
+            "num_requests_running", "Requests at the router that have their first token, not finished.")
+        self.num_requests_waiting = self._gauge(
+            "num_requests_waiting", "Requests at the router accepted but without a token yet.")
         self.time_to_first_token = self._histogram(
             "time_to_first_token_seconds", "Time from request arrival to the first token.",
             TTFT_BUCKETS)
@@ -200,15 +207,16 @@ class RouterMetrics(_Base):
             "parser_diagnostics",
             "Output parser diagnostics (markup suppressed, malformed markup), by kind.", "kind")
 
-    def start_request(self, prompt_tokens: int) -> RequestTimer:
-        """Call when a request is accepted; use the timer as its tokens arrive."""
-        self.num_requests_running.inc()
+    def start_request(self, prompt_tokens: int, arrival: float | None = None) -> RequestTimer:
+        """Call when a request is accepted (`arrival`: when it arrived, on `clock`; default now);
+        use the timer as its tokens arrive."""
+        self.num_requests_waiting.inc()
         self.prompt_tokens.inc(prompt_tokens)
-        return RequestTimer(self, self.clock())
+        return RequestTimer(self, self.clock() if arrival is None else arrival)
 
-    def request_done(self, reason: str, seconds: float) -> None:
+    def request_done(self, reason: str, seconds: float, *, had_token: bool) -> None:
         """Normally called by `RequestTimer.finish`."""
-        self.num_requests_running.dec()
+        (self.num_requests_running if had_token else self.num_requests_waiting).dec()
         self._inc(self.request_success, "finished_reason", reason, FINISH_REASONS)
         self.e2e_request_latency.observe(seconds)
 
@@ -221,37 +229,41 @@ class RouterMetrics(_Base):
 
 
 class RequestTimer:
-    """TTFT, inter-token latency and end-to-end latency of one request at the router."""
+    """TTFT, inter-token latency and end-to-end latency of one request at the router, and its
+    place in the waiting/running gauges."""
 
     def __init__(self, metrics: RouterMetrics, start: float) -> None:
         self._m = metrics
         self._start = start
-        self._last: float | None = None
+        self._first: float | None = None
+        self._last: dict[int, float] = {}   # per choice: when its latest tokens came
         self._finished = False
 
-    def tokens(self, n: int) -> None:
-        """`n` output tokens arrived together (one chunk of the decode stream).
+    def tokens(self, n: int, choice: int = 0) -> None:
+        """`n` output tokens of one choice arrived together (one chunk of the decode stream).
 
-        The first token gives TTFT; every later token one inter-token sample: a chunk of n
-        tokens after a gap g counts n samples of g/n (and the rest of a first chunk, which
-        came with the first token, counts samples of 0).
+        The request's first token gives TTFT; every later token of a choice one inter-token
+        sample: a chunk of n tokens after a gap g counts n samples of g/n (and the rest of a
+        choice's first chunk, which came with its first token, counts samples of 0).
         """
         if n <= 0 or self._finished:
             return
         now = self._m.clock()
         self._m.generation_tokens.inc(n)
-        if self._last is None:
+        if self._first is None:
+            self._first = now
             self._m.time_to_first_token.observe(now - self._start)
-            gaps = [0.0] * (n - 1)
-        else:
-            gaps = [(now - self._last) / n] * n
+            self._m.num_requests_waiting.dec()
+            self._m.num_requests_running.inc()
+        last = self._last.get(choice)
+        gaps = [0.0] * (n - 1) if last is None else [(now - last) / n] * n
         for gap in gaps:
             self._m.inter_token_latency.observe(gap)
-        self._last = now
+        self._last[choice] = now
 
     def finish(self, reason: str) -> None:
         """Idempotent: the first call counts, later ones (abort after finish) do nothing."""
         if self._finished:
             return
         self._finished = True
-        self._m.request_done(reason, self._m.clock() - self._start)
+        self._m.request_done(reason, self._m.clock() - self._start, had_token=self._first is not None)

@@ -1,7 +1,11 @@
-"""The router's FastAPI app: the OpenAI routes, /health, /metrics, and error mapping.
+"""The router's FastAPI app: the OpenAI routes, /health, /ready, /metrics, and error mapping.
 
 Handlers read the body themselves (content type, JSON, then the pydantic model), so every way a
 body can be wrong ends as a 400 OpenAI error object, as does FastAPI's own 422.
+
+/health is liveness (the router's own loop; 200 while workers are down), /ready is readiness
+(workers to route to, not draining); /v1/models answers only when ready, so a client that lists
+models first learns that requests would fail. Both probes list the workers and their state.
 """
 from __future__ import annotations
 
@@ -21,12 +25,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pdserve.frontend.chat import create_chat_completion
 from pdserve.frontend.completions import create_completion
 from pdserve.frontend.config import RouterConfig
-from pdserve.frontend.errors import APIError, from_status, internal, invalid, validation_message
-from pdserve.frontend.metrics import CONTENT_TYPE
-from pdserve.frontend.middleware import RequestContextMiddleware
+from pdserve.frontend.errors import APIError, from_status, internal, invalid, unavailable, validation_message
+from pdserve.frontend.middleware import RETRY_AFTER_S, RequestContextMiddleware
 from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.frontend.server import Router
 from pdserve.frontend.serving import Call
+from pdserve.metrics import CONTENT_TYPE
 from pdserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -46,18 +50,19 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
-    app.add_middleware(RequestContextMiddleware, api_key=config.api_key, max_body=config.max_request_bytes,
-                       metrics=router.metrics)
+    app.add_middleware(RequestContextMiddleware, router=router)
     _add_error_handlers(app)
     started = int(time.time())
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
+        _check_ready(router)
         return {"object": "list", "data": [_model_card(router, started)]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
         router.check_model(model)
+        _check_ready(router)
         return _model_card(router, started)
 
     @app.post("/v1/completions")
@@ -72,17 +77,33 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
 
     @app.get("/health")
     async def health() -> Response:
-        workers = [{"url": w.url, "role": w.role.value, "healthy": w.healthy, "draining": w.draining,
-                    "status": w.status, "inflight": len(w.inflight)} for w in router.pool.workers]
-        ready = router.pool.ready
-        return JSONResponse({"status": "ok" if ready else "unavailable", "workers": workers},
-                            status_code=200 if ready else 503)
+        alive, status = router.liveness()
+        return JSONResponse({"status": status, "ready": router.ready, "workers": _workers(router)},
+                            status_code=200 if alive else 503)
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        ok = router.ready
+        status = "ok" if ok else "draining" if router.draining else "no workers"
+        return JSONResponse({"ready": ok, "status": status, "workers": _workers(router)},
+                            status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(router.metrics.render(), media_type=CONTENT_TYPE)
 
     return app
+
+
+def _workers(router: Router) -> list[dict[str, Any]]:
+    return [{"url": w.url, "role": w.role.value, "healthy": w.healthy, "draining": w.draining,
+             "available": w.available, "status": w.status, "inflight": len(w.inflight)}
+            for w in router.pool.workers]
+
+
+def _check_ready(router: Router) -> None:
+    if not router.ready:
+        raise unavailable("The model is not being served right now: no worker is ready.")
 
 
 def _model_card(router: Router, created: int) -> dict[str, Any]:
@@ -122,7 +143,8 @@ def _add_error_handlers(app: FastAPI) -> None:
     def reply(request: Request, error: APIError) -> JSONResponse:
         if error.status >= 500:
             logger.error("[%s] %s", getattr(request.state, "request_id", "-"), error.message)
-        return JSONResponse(error.body(), status_code=error.status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
+        return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:

@@ -99,10 +99,12 @@ class WorkerClient:
     async def info(self, url: str, timeout_s: float) -> dict[str, Any] | None:
         return await self._get_json(url, "/info", timeout_s)
 
-    async def abort(self, url: str, request_id: str, timeout_s: float) -> bool:
-        """POST /abort; idempotent on the worker, best effort here (a dead worker is fine)."""
+    async def abort(self, url: str, request_id: str, timeout_s: float, origin: str | None = None) -> bool:
+        """POST /abort; idempotent on the worker, best effort here (a dead worker is fine).
+        `origin` says who asked (a worker may count it; older ones ignore it)."""
+        body = {"request_id": request_id, **({"origin": origin} if origin else {})}
         try:
-            r = await self.control.post(f"{url}/abort", json={"request_id": request_id},
+            r = await self.control.post(f"{url}/abort", json=body,
                                         headers={"X-Request-Id": request_id}, timeout=timeout_s)
             return r.status_code == 200
         except httpx.HTTPError as e:

@@ -1,8 +1,9 @@
 """Stream batching: up to N tokens of one choice per SSE event.
 
 The first token of a choice always goes out alone (time to first token is not traded away),
-then tokens are grouped N at a time; the end of the choice flushes what is left. Text is decoded
-token by token before batching, so the concatenated output is the same for every N.
+then tokens are grouped N at a time; the end of the choice flushes what is left. Output is
+decoded (parsed) token by token before batching, so a batch is the concatenation of its tokens'
+deltas and the aggregate is the same for every N.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ class Batch:
     logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def add(self, token_id: int | None, delta: OutputDelta, logprob: TokenLogprob | None) -> None:
-        self.delta = self.delta.merge(delta)
+        self.delta.extend(delta)  # in place: a non-streaming choice is one batch of every token
         if token_id is not None:
             self.token_ids.append(token_id)
         if logprob is not None:

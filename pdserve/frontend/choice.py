@@ -7,7 +7,9 @@ token lines from decode until a finish. Colocated: /generate with ``prefill_url:
 Every token goes through the choice's ``OutputDecoder`` one at a time; deltas are grouped by a
 ``DeltaBatcher`` and handed to the request as ``ChoiceEvent``s. Unless the decode worker itself
 reported a normal finish, the room is aborted on both workers when the choice ends, whatever
-ended it: a stop string, a client that went away, a failed prefill, or a dead worker.
+ended it; the abort's origin (``pdserve.metrics.ABORT_ORIGINS``) says what: "router" (a stop
+string, or another choice of the request failed), "client" (it went away), "peer" (a worker
+failed or died), "drain" (the router shut down before the choice finished).
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ class ChoiceSpec:
 class ChoiceEvent:
     index: int
     batch: Batch | None = None
-    finish_reason: str | None = None   # "stop" | "length" on the choice's last event
+    finish_reason: str | None = None   # "stop" | "length" | "tool_calls" on the choice's last event
     error: APIError | None = None      # the choice failed; no further events follow
     num_tokens: int = 0                # tokens generated so far (the completion's usage)
 
@@ -57,7 +59,7 @@ class Services:
     client: WorkerClient
     spawn: Callable[[Coroutine[Any, Any, Any]], None]  # run a task that outlives the request
     abort_timeout_s: float = 2.0
-    on_abort: Callable[[str], None] | None = None       # metrics: the reason of each abort
+    on_abort: Callable[[str], None] | None = None       # metrics: the origin of each abort
 
 
 class ChoiceRun:
@@ -74,6 +76,7 @@ class ChoiceRun:
         self.prefill_seconds: float | None = None
         self._worker_finished = False   # decode reported stop/length: nothing to abort
         self._failure: APIError | None = None
+        self._origin = "client"         # who ended the choice, when not the decode worker
         self._task: asyncio.Task[None] | None = None
         self._prefill_task: asyncio.Task[None] | None = None
         self._closed = False
@@ -98,17 +101,20 @@ class ChoiceRun:
             self._end_with_error(self._failure)
         self.close()
 
-    def fail(self, error: APIError) -> None:
-        """Stop this choice with `error` (a worker died, prefill failed). Idempotent."""
+    def fail(self, error: APIError, origin: str = "peer") -> None:
+        """Stop this choice with `error` (a worker died, prefill failed, the router drains).
+        Idempotent."""
         if self.finished or self._failure is not None:
             return
-        self._failure = error
+        self._failure, self._origin = error, origin
         if self._task is not None and not self._task.done():
             self._task.cancel()
 
-    def cancel(self) -> None:
-        """The request is gone (client disconnect, another choice failed)."""
+    def cancel(self, origin: str = "client") -> None:
+        """The request is gone: its client left ("client"), or another choice failed ("router")."""
         if self._task is not None and not self._task.done():
+            if self._failure is None:
+                self._origin = origin
             self._task.cancel()
         elif self._task is None:
             self.close()
@@ -122,14 +128,20 @@ class ChoiceRun:
             self._end_with_error(self._failure)  # we cancelled ourselves in fail()
         except WorkerError as e:
             error = invalid(e.message) if e.status == 400 else unavailable(e.message)
-            self._end_with_error(self._failure or error)
+            self._end_with_error(self._failed_by_worker(error))
         except APIError as e:
-            self._end_with_error(self._failure or e)
+            self._end_with_error(self._failed_by_worker(e))
         finally:
             self.close()
 
+    def _failed_by_worker(self, error: APIError) -> APIError:
+        if self._failure is None:
+            self._failure, self._origin = error, "peer"
+        return self._failure
+
     def close(self) -> None:
-        """Leave the workers' in-flight sets; abort the room unless decode finished it. Idempotent."""
+        """Leave the workers' in-flight sets; abort the room unless decode finished it (or it
+        was never started). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -138,10 +150,8 @@ class ChoiceRun:
             self.route.prefill.inflight.discard(self)
         if self._prefill_task is not None and not self._prefill_task.done():
             self._prefill_task.cancel()
-        if not self._worker_finished:
-            reason = ("stop_string" if self.finished else "error" if self._failure is not None
-                      else "client")
-            self._abort_everywhere(reason)
+        if not self._worker_finished and self._task is not None:
+            self._abort_everywhere("router" if self.finished else self._origin)
 
     # ---- the PD flow -----------------------------------------------------------------------------
 
@@ -217,8 +227,9 @@ class ChoiceRun:
         return False
 
     def _finish(self, reason: str) -> None:
-        self.batcher.add_text(self.decoder.finish())
+        self.batcher.add_text(self.decoder.finish(reason))  # may raise: tool_choice not satisfied
         self.finished = self._ended = True
+        reason = self.decoder.finish_reason or reason        # e.g. "tool_calls"
         self.emit(ChoiceEvent(self.spec.index, self.batcher.take(), reason, num_tokens=self.num_tokens))
 
     def _end_with_error(self, error: APIError) -> None:
@@ -226,13 +237,13 @@ class ChoiceRun:
         logger.warning("[%s] choice failed after %d tokens: %s", self.rid, self.num_tokens, error.message)
         self.emit(ChoiceEvent(self.spec.index, error=error, num_tokens=self.num_tokens))
 
-    def _abort_everywhere(self, reason: str) -> None:
+    def _abort_everywhere(self, origin: str) -> None:
         urls = [self.route.decode.url] + ([self.route.prefill.url] if self.route.prefill else [])
-        logger.info("[%s] aborting on %s (%s)", self.rid, ", ".join(urls), reason)
+        logger.info("[%s] aborting on %s (origin: %s)", self.rid, ", ".join(urls), origin)
         if self.services.on_abort is not None:
-            self.services.on_abort(reason)
-        self.services.spawn(self._send_aborts(urls))
+            self.services.on_abort(origin)
+        self.services.spawn(self._send_aborts(urls, origin))
 
-    async def _send_aborts(self, urls: list[str]) -> None:
+    async def _send_aborts(self, urls: list[str], origin: str) -> None:
         client, timeout = self.services.client, self.services.abort_timeout_s
-        await asyncio.gather(*(client.abort(u, self.rid, timeout) for u in urls))
+        await asyncio.gather(*(client.abort(u, self.rid, timeout, origin) for u in urls))

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from pdserve.frontend.config import RouterConfig, served_name
+from pdserve.logs import setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +26,14 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                    help="decode worker URL(s)")
     p.add_argument("--worker", nargs="+", action="extend", default=[], metavar="URL",
                    help="colocated worker URL(s) (role both: prefill and decode in one)")
+    d = p.add_argument_group("discovery (instead of, or besides, worker URLs)")
+    for flag, what in (("prefill", "prefill workers"), ("decode", "decode workers"),
+                       ("worker", "colocated workers")):
+        d.add_argument(f"--discover-{flag}", action="append", default=[], metavar="NAME:PORT", type=_name_port,
+                       help=f"the {what} are the DNS A records of NAME (a headless Service), at "
+                            "PORT; re-resolved every --discover-interval seconds (repeatable)")
+    d.add_argument("--discover-interval", type=float, default=5.0, metavar="S",
+                   help="seconds between two resolutions of the --discover-* names")
     _http_flags(p)
     p.set_defaults(func=cmd_router)
     return p
@@ -67,12 +77,29 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
 def _http_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port of the OpenAI API")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY)")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="read the API key from FILE (e.g. a mounted Secret) instead")
+    p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM: refuse new requests (503), give those in flight S seconds to "
+                        "finish, then stop the rest with an error and exit")
+    p.add_argument("--log-json", action="store_true", help="log one JSON object per line")
     p.add_argument("--stream-batch", type=_positive, default=1, metavar="N",
                    help="send up to N tokens per SSE event (the first token always goes alone)")
     p.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger bodies get 413")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the smallest the workers report)")
+
+
+def _name_port(text: str) -> str:
+    from pdserve.frontend.discovery import parse_target
+    from pdserve.frontend.workers import Role
+
+    try:
+        return parse_target(Role.BOTH, text).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive(text: str) -> int:
@@ -87,8 +114,28 @@ def router_config(args: argparse.Namespace, model_dir: Path, prefill: list[str],
     name, aliases = served_name(args.model, args.served_model_name)
     return RouterConfig(model_dir=model_dir, served_model_name=name, aliases=aliases,
                         prefill_urls=prefill, decode_urls=decode, worker_urls=both,
-                        api_key=args.api_key, stream_batch=args.stream_batch,
-                        max_request_bytes=args.max_request_bytes, max_model_len=args.max_model_len)
+                        discover_prefill=getattr(args, "discover_prefill", []),
+                        discover_decode=getattr(args, "discover_decode", []),
+                        discover_worker=getattr(args, "discover_worker", []),
+                        discover_interval_s=getattr(args, "discover_interval", 5.0),
+                        api_key=api_key(args), stream_batch=args.stream_batch,
+                        max_request_bytes=args.max_request_bytes, max_model_len=args.max_model_len,
+                        drain_timeout_s=args.drain_timeout)
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else the first line of --api-key-file, else $PDSERVE_API_KEY; None: no key."""
+    if args.api_key:
+        return str(args.api_key)
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
+        except OSError as e:
+            raise SystemExit(f"--api-key-file: cannot read {args.api_key_file}: {e.strerror}") from None
+        if not key:
+            raise SystemExit(f"--api-key-file: {args.api_key_file} is empty")
+        return key
+    return os.environ.get("PDSERVE_API_KEY", "").strip() or None
 
 
 def resolve_model_dir(model: str | None) -> Path:
@@ -106,21 +153,27 @@ def quiet_http_logs() -> None:
 
 
 def run_router(config: RouterConfig, host: str, port: int) -> int:
-    import uvicorn
-
     quiet_http_logs()
 
     from pdserve.frontend.app import create_app
+    from pdserve.frontend.server import RouterServer
 
-    server = uvicorn.Server(uvicorn.Config(create_app(config), host=host, port=port, access_log=False,
-                                           log_level="warning", timeout_graceful_shutdown=5))
-    server.run()
+    from pdserve.parsers import ProfileError
+
+    try:
+        app = create_app(config)
+    except ProfileError as e:  # the tokenizer cannot carry the model's output grammar
+        raise SystemExit(f"pdserve: {e}") from None
+    RouterServer(app, host, port).run()
     return 0
 
 
 def cmd_router(args: argparse.Namespace) -> int:
-    if not args.worker and not (args.prefill and args.decode):
-        raise SystemExit("give --prefill URL and --decode URL, or --worker URL for colocated workers")
+    setup_logging(args.log_json, "router")
+    if not (args.worker or args.discover_worker) and not (
+            (args.prefill or args.discover_prefill) and (args.decode or args.discover_decode)):
+        raise SystemExit("give prefill and decode workers (--prefill/--decode URL or --discover-prefill/"
+                         "--discover-decode NAME:PORT), or colocated ones (--worker, --discover-worker)")
     config = router_config(args, resolve_model_dir(args.model), args.prefill, args.decode, args.worker)
     logger.info("router on http://%s:%d/v1 for %s", args.host, args.port, config.served_model_name)
     return run_router(config, args.host, args.port)

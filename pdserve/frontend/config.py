@@ -16,6 +16,12 @@ class RouterConfig:
     prefill_urls: list[str] = field(default_factory=list)
     decode_urls: list[str] = field(default_factory=list)
     worker_urls: list[str] = field(default_factory=list)   # colocated workers (role "both")
+    # NAME:PORT of headless Services: the workers of a role are the A records of NAME, resolved
+    # every `discover_interval_s` (on Kubernetes, one record per ready pod).
+    discover_prefill: list[str] = field(default_factory=list)
+    discover_decode: list[str] = field(default_factory=list)
+    discover_worker: list[str] = field(default_factory=list)
+    discover_interval_s: float = 5.0
     api_key: str | None = None
     stream_batch: int = 1                 # up to this many tokens per SSE event
     max_request_bytes: int = 8 << 20      # larger bodies get 413
@@ -27,12 +33,18 @@ class RouterConfig:
     abort_timeout_s: float = 2.0
     connect_timeout_s: float = 3.0
     inline_tokenize_chars: int = 4096     # longer prompts are tokenized off the event loop
+    drain_timeout_s: float = 30.0         # SIGTERM: how long in-flight requests may finish
+    loop_stall_s: float = 5.0             # /health fails when the event loop lagged this long
 
     def __post_init__(self) -> None:
         if self.stream_batch < 1:
             raise ValueError("stream_batch must be >= 1")
-        if not self.worker_urls and not (self.prefill_urls and self.decode_urls):
-            raise ValueError("give --prefill and --decode worker URLs, or --worker for colocated ones")
+        colocated = self.worker_urls or self.discover_worker
+        if not colocated and not ((self.prefill_urls or self.discover_prefill)
+                                  and (self.decode_urls or self.discover_decode)):
+            raise ValueError("give prefill and decode workers (--prefill/--decode URLs or "
+                             "--discover-prefill/--discover-decode NAME:PORT), or colocated ones "
+                             "(--worker, --discover-worker)")
 
     @property
     def model_names(self) -> frozenset[str]:

@@ -40,11 +40,13 @@ class Generation:
             left -= ev.last
             yield ev
 
-    def cancel(self) -> None:
-        """Stop what still runs (idempotent; a no-op for choices that ended)."""
+    def cancel(self, origin: str = "client") -> None:
+        """Stop what still runs (idempotent; a no-op for choices that ended). `origin`: who
+        stopped it, for the abort metrics ("client": the client left)."""
         for run in self.runs:
-            run.cancel()
+            run.cancel(origin)
 
-    @property
-    def prefill_seconds(self) -> list[float]:
-        return [r.prefill_seconds for r in self.runs if r.prefill_seconds is not None]
+    def fail(self, error: APIError, origin: str) -> None:
+        """End every choice still running with `error` (its client gets it)."""
+        for run in self.runs:
+            run.fail(error, origin)

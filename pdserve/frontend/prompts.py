@@ -1,24 +1,41 @@
-"""Prompts → token ids: completions' text or ids, chat messages through the chat template.
+"""Prompts → token ids: completions' text or ids, chat messages through the model's prompt format.
 
-Workers see token ids only. Long texts are tokenized in a thread so that one big prompt does not
-stall every stream on the event loop.
+Chat prompts: DeepSeek V3.2 and V4 ship Python encoders instead of Jinja templates, so their
+messages (tools in the system prompt, assistant tool calls rendered back, tool results,
+`thinking` from ``chat_template_kwargs``) go through ``encoders``; every other model through its
+own chat template, with the request's tools. Workers see token ids only. Long texts are
+tokenized in a thread so that one big prompt does not stall every stream on the event loop.
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, TypeVar
 
 import jinja2
 
+from pdserve.frontend.encoders import EncodeError, encode_v4, encode_v32, thinking_from_kwargs
 from pdserve.frontend.errors import invalid
 from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class PromptStyle(Enum):
+    TEMPLATE = "template"  # the tokenizer's Jinja chat template
+    DSV32 = "deepseek_v32"
+    DSV4 = "deepseek_v4"
+
+    @classmethod
+    def for_profile(cls, profile_name: str) -> PromptStyle:
+        """DeepSeek V3.2/V4 profiles are encoded by the reference encoders, whatever else ships."""
+        return {"deepseek_v32": cls.DSV32, "deepseek_v4": cls.DSV4}.get(profile_name, cls.TEMPLATE)
 
 
 @dataclass
@@ -37,9 +54,11 @@ class PromptBuilder:
         size = sum(len(p) for p in items if isinstance(p, str))
         return await self._run(size, lambda: [self._one(p) for p in items])
 
-    async def chat(self, req: ChatCompletionRequest) -> Prompt:
-        size = sum(len(m.text()) for m in req.messages)
-        return await self._run(size, lambda: self._render(req))
+    async def chat(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None,
+                   style: PromptStyle = PromptStyle.TEMPLATE) -> Prompt:
+        """`tools`: what the prompt shows (none when tool_choice is "none"; see ``tools``)."""
+        size = sum(len(m.text()) for m in req.messages) + (len(json.dumps(tools)) if tools else 0)
+        return await self._run(size, lambda: self._render(req, tools, style))
 
     async def _run(self, size: int, work: Callable[[], T]) -> T:
         if size <= self.inline_chars:
@@ -52,17 +71,45 @@ class PromptBuilder:
         self.check_ids(prompt, "prompt")
         return Prompt(list(prompt), self.tokenizer.decode(prompt))
 
-    def _render(self, req: ChatCompletionRequest) -> Prompt:
+    def _render(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                style: PromptStyle) -> Prompt:
         messages = [_message_dict(m) for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
+        if style is PromptStyle.TEMPLATE:
+            text = self._template(req, messages, tools, kwargs)
+        else:
+            text = self._encode(req, messages, tools, kwargs, style)
+        return Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
+
+    def _template(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
+                  tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> str:
+        for m in messages:  # templates read arguments as a mapping (GLM: `arguments.items()`)
+            if m.get("tool_calls"):
+                m["tool_calls"] = [_arguments_as_object(c) for c in m["tool_calls"]]
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=req.add_generation_prompt, **kwargs)
+                messages, tools=tools, add_generation_prompt=req.add_generation_prompt, **kwargs)
         except (jinja2.TemplateError, TypeError, ValueError) as e:
             raise invalid(f"the chat template rejected the messages: {e}", "messages") from None
         if req.continue_final_message:
             text = _cut_after_last(text, messages[-1]["content"])
-        return Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
+        return text
+
+    def _encode(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None, kwargs: dict[str, Any], style: PromptStyle) -> str:
+        """The DeepSeek encoders; they always end with the assistant's turn opened."""
+        if req.continue_final_message:
+            raise invalid("continue_final_message is not supported for DeepSeek V3.2/V4 prompts",
+                          "continue_final_message")
+        thinking = thinking_from_kwargs(kwargs)
+        drop = bool(kwargs.get("drop_thinking", True))
+        try:
+            if style is PromptStyle.DSV4:
+                return encode_v4(messages, tools, thinking=thinking, drop_thinking=drop,
+                                 reasoning_effort=kwargs.get("reasoning_effort"))
+            return encode_v32(messages, tools, thinking=thinking, drop_thinking=drop)
+        except EncodeError as e:
+            raise invalid(f"the messages cannot be encoded for this model: {e}", "messages") from None
 
     def check_ids(self, ids: list[int], param: str) -> None:
         vocab = self.tokenizer.vocab_size
@@ -84,6 +131,21 @@ def _message_dict(message: Any) -> dict[str, Any]:
     out = message.model_dump(exclude_none=True)
     out["content"] = message.text()
     return out
+
+
+def _arguments_as_object(call: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI tool call whose `function.arguments` JSON string is parsed into an object."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    text = fn["arguments"]
+    try:
+        arguments = json.loads(text) if text.strip() else {}
+    except ValueError:
+        raise invalid(f"tool call arguments must be a JSON object, got {text[:80]!r}", "messages") from None
+    if not isinstance(arguments, dict):
+        raise invalid(f"tool call arguments must be a JSON object, got {text[:80]!r}", "messages")
+    return {**call, "function": {**fn, "arguments": arguments}}
 
 
 def _cut_after_last(text: str, content: str) -> str:

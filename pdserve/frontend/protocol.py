@@ -2,11 +2,14 @@
 
 Field bounds follow the OpenAI API reference; the extras vLLM accepts in the body (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``) are
-accepted too. Unknown fields are ignored. Checks that need the tokenizer or the context length
-(token ids, logit-bias ids, prompt length) are done later, in ``params`` and ``prompts``.
+accepted too, as are SGLang's ``separate_reasoning`` and ``chat_template_kwargs``. Unknown fields
+are ignored. Tools are checked for shape here and kept as sent; what they mean for the prompt
+and the output is in ``tools``. Checks that need the tokenizer or the context length (token ids,
+logit-bias ids, prompt length) are done later, in ``params`` and ``prompts``.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -17,6 +20,36 @@ MAX_STOP_LENGTH = 1024
 MAX_LOGPROBS = 20
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+ToolChoiceName = Literal["none", "auto", "required"]
+MAX_TOOL_NAME = 128
+# A name is written into the model's markup (DSML `name="…"`, GLM and Hermes text): no quotes,
+# angle brackets or white space, which would end it early.
+_TOOL_NAME = re.compile(rf'[^\s"<>]{{1,{MAX_TOOL_NAME}}}')
+
+
+def check_tool(tool: Any, i: int) -> None:
+    """One OpenAI function tool: {"type": "function", "function": {"name", "parameters"?, …}}."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise ValueError(f"tools[{i}]: only tools of type 'function' are supported")
+    fn = tool.get("function")
+    if not isinstance(fn, dict):
+        raise ValueError(f"tools[{i}]: a function tool needs a 'function' object")
+    name = fn.get("name")
+    if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+        raise ValueError(f"tools[{i}]: function.name must be 1-{MAX_TOOL_NAME} characters without white "
+                         f"space, quotes or angle brackets, got {name!r}")
+    params = fn.get("parameters")
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"tools[{i}]: function.parameters must be a JSON Schema object")
+
+
+def named_function(choice: dict[str, Any]) -> str:
+    """The name in {"type": "function", "function": {"name": …}}; ValueError for other shapes."""
+    fn = choice.get("function")
+    if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise ValueError('tool_choice must be "none", "auto", "required" or '
+                         '{"type": "function", "function": {"name": …}}')
+    return str(fn["name"])
 
 
 class StreamOptions(BaseModel):
@@ -146,13 +179,29 @@ class ChatCompletionRequest(GenerationFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    # Accepted so that clients which always send them work; the output parser issue uses them.
+    # Tool calling (see ``tools``): the dicts are kept as sent, since templates render them.
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
+    tool_choice: ToolChoiceName | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # None: true
+    separate_reasoning: bool = True          # false: reasoning text is part of `content`
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, tool in enumerate(v or ()):
+            check_tool(tool, i)
+        return v
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, v: ToolChoiceName | dict[str, Any] | None) -> ToolChoiceName | dict[str, Any] | None:
+        if isinstance(v, dict):
+            named_function(v)
+        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> ChatCompletionRequest:
@@ -164,7 +213,20 @@ class ChatCompletionRequest(GenerationFields):
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self.continue_final_message and self.messages[-1].role != "assistant":
             raise ValueError("continue_final_message needs the last message to be the assistant's")
+        self._check_tool_choice()
         return self
+
+    def _check_tool_choice(self) -> None:
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return
+        names = [t["function"]["name"] for t in self.tools or ()]
+        if not names:
+            shown = choice if isinstance(choice, str) else "a named function"
+            raise ValueError(f"tool_choice {shown!r} needs a non-empty tools list")
+        if isinstance(choice, dict) and named_function(choice) not in names:
+            raise ValueError(f"tool_choice names function {named_function(choice)!r}, which is not in "
+                             f"tools ({', '.join(names)})")
 
     @property
     def output_limit(self) -> int | None:

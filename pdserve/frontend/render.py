@@ -1,8 +1,13 @@
 """Choice events → OpenAI response bodies and stream chunks (chat and text completions).
 
-A renderer keeps each choice's text, token count and logprobs. ``absorb`` takes one event and
-returns the stream chunk for it (None when it carries nothing to send); ``response`` is the
-non-streaming body, built from the same state.
+A renderer keeps each choice's text, reasoning, tool calls, token count and logprobs.
+``absorb`` takes one event and returns its stream chunks (none when it carries nothing to
+send); ``response`` is the non-streaming body, built from the same state, so streaming and
+non-streaming answers aggregate to the same message.
+
+Chat chunks keep the order of the parser's events: a new chunk starts whenever the kind
+switches between reasoning, content and tool calls. A tool call's first delta carries its
+index, id, type and name with empty arguments; argument fragments follow in later chunks.
 """
 from __future__ import annotations
 
@@ -11,13 +16,28 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.frontend.choice import ChoiceEvent
-from pdserve.frontend.output import TokenLogprob
+from pdserve.frontend.output import Part, TokenLogprob
+from pdserve.parsers import ContentDelta, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
 from pdserve.tokenizer import Tokenizer
+
+
+@dataclass
+class CallState:
+    id: str
+    name: str
+    arguments: list[str] = field(default_factory=list)
+    complete: bool = False
+
+    def message(self) -> dict[str, Any]:
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": "".join(self.arguments)}}
 
 
 @dataclass
 class ChoiceState:
     pieces: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, CallState] = field(default_factory=dict)  # by the call's index
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     num_tokens: int = 0
@@ -97,19 +117,20 @@ class ChatRenderer(Renderer):
                              "logprobs": None, "finish_reason": None}])
                 for i in range(len(self.choices))]
 
-    def absorb(self, ev: ChoiceEvent) -> dict[str, Any] | None:
-        content = ev.batch.delta.content if ev.batch is not None else ""
-        self._update(ev, content)
+    def absorb(self, ev: ChoiceEvent) -> list[dict[str, Any]]:
+        state = self._update(ev, "")
         lps = ev.batch.logprobs if ev.batch is not None else []
-        if not content and not lps and ev.finish_reason is None:
-            return None
-        delta = {"content": content} if content else {}
-        return self.chunk([{"index": ev.index, "delta": delta, "logprobs": self._logprobs(lps),
-                            "finish_reason": ev.finish_reason}])
+        deltas = _deltas(state, ev.batch.delta.parts if ev.batch is not None else [])
+        if not deltas and (lps or ev.finish_reason is not None):
+            deltas = [{}]
+        entries = [{"index": ev.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
+        if entries:  # the batch's logprobs and the finish go with its last chunk
+            entries[-1].update(logprobs=self._logprobs(lps), finish_reason=ev.finish_reason)
+        return [self.chunk([e]) for e in entries]
 
     def response(self) -> dict[str, Any]:
-        choices = [{"index": i, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c.logprobs), "finish_reason": c.finish_reason}
+        choices = [{"index": i, "message": _message(c), "logprobs": self._logprobs(c.logprobs),
+                    "finish_reason": c.finish_reason}
                    for i, c in enumerate(self.choices)]
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
@@ -125,6 +146,65 @@ class ChatRenderer(Renderer):
                for t, v in lp.top[: self.top_logprobs]]
         return {"token": token_text(tok, lp.token_id), "logprob": lp.logprob,
                 "bytes": list(tok.token_bytes(lp.token_id)), "top_logprobs": top}
+
+
+def _message(c: ChoiceState) -> dict[str, Any]:
+    """The non-streaming message: content (null when the answer is only tool calls), reasoning
+    in `reasoning_content` and mirrored in `reasoning`, calls in index order."""
+    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    if c.reasoning:
+        message["reasoning_content"] = message["reasoning"] = "".join(c.reasoning)
+    if c.calls:
+        message["content"] = c.text or None
+        message["tool_calls"] = [c.calls[i].message() for i in sorted(c.calls)]
+    return message
+
+
+def _deltas(state: ChoiceState, parts: list[Part]) -> list[dict[str, Any]]:
+    """One batch's parts → stream deltas, in order, one per run of a kind; recorded in `state`."""
+    out: list[dict[str, Any]] = []
+    run: list[str] = []
+    kind: object = None  # "content" | "reasoning" | the call index of an argument run
+
+    def flush() -> None:
+        if run:
+            text = "".join(run)
+            if kind == "content":
+                out.append({"content": text})
+            elif kind == "reasoning":
+                out.append({"reasoning_content": text, "reasoning": text})
+            else:
+                out.append({"tool_calls": [{"index": kind, "function": {"arguments": text}}]})
+            run.clear()
+
+    for part in parts:
+        if isinstance(part, ToolCallStart):
+            flush()
+            state.calls[part.index] = CallState(part.id, part.name)
+            out.append({"tool_calls": [{"index": part.index, "id": part.id, "type": "function",
+                                        "function": {"name": part.name, "arguments": ""}}]})
+            kind = None
+            continue
+        if isinstance(part, ToolCallEnd):
+            state.calls[part.index].complete = part.complete
+            continue
+        if isinstance(part, ContentDelta):
+            this, text = "content", part.text
+            state.pieces.append(text)
+        elif isinstance(part, ReasoningDelta):
+            this, text = "reasoning", part.text
+            state.reasoning.append(text)
+        elif isinstance(part, ToolCallArgs):
+            this, text = part.index, part.fragment
+            state.calls[part.index].arguments.append(text)
+        else:
+            continue
+        if this != kind:
+            flush()
+            kind = this
+        run.append(text)
+    flush()
+    return out
 
 
 class CompletionRenderer(Renderer):
@@ -145,7 +225,7 @@ class CompletionRenderer(Renderer):
         return [self.chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
                 for i, text in enumerate(self.echo)]
 
-    def absorb(self, ev: ChoiceEvent) -> dict[str, Any] | None:
+    def absorb(self, ev: ChoiceEvent) -> list[dict[str, Any]]:
         text = ev.batch.delta.content if ev.batch is not None else ""
         state = self.choices[ev.index]
         start = state.offset
@@ -154,9 +234,9 @@ class CompletionRenderer(Renderer):
         formatted = self._logprobs(lps, start)
         state.offset = start + sum(len(token_text(self.tokenizer, lp.token_id)) for lp in lps)
         if not text and not lps and ev.finish_reason is None:
-            return None
-        return self.chunk([{"index": ev.index, "text": text, "logprobs": formatted,
-                            "finish_reason": ev.finish_reason}])
+            return []
+        return [self.chunk([{"index": ev.index, "text": text, "logprobs": formatted,
+                             "finish_reason": ev.finish_reason}])]
 
     def response(self) -> dict[str, Any]:
         choices = []

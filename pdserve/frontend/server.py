@@ -1,24 +1,45 @@
-"""The router process's one server object: settings, tokenizer, workers, clients, metrics."""
+"""The router process's one server object (settings, tokenizer, workers, clients, metrics, the
+calls in flight), its lifecycle, and the uvicorn server that drains it on SIGTERM.
+
+Liveness is the router's own: its event loop turns (a heartbeat task) and its background tasks
+run; a worker outage never makes it fail, so an orchestrator does not restart routers for it.
+Readiness is about workers: at least one prefill and one decode (or one colocated) worker
+takes requests, and the router is not draining.
+"""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
+import signal
+import time
 from collections.abc import Coroutine
-from typing import Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any
+
+import uvicorn
 
 from pdserve.frontend.backend import WorkerClient
 from pdserve.frontend.choice import Services
 from pdserve.frontend.config import RouterConfig
-from pdserve.frontend.errors import model_not_found
+from pdserve.frontend.discovery import Discovery, Target, parse_target
+from pdserve.frontend.errors import model_not_found, unavailable
 from pdserve.frontend.ids import RequestIds
-from pdserve.frontend.metrics import RouterMetrics
+from pdserve.frontend.output import ChatOutput
 from pdserve.frontend.prompts import PromptBuilder
-from pdserve.frontend.workers import Worker, WorkerPool
+from pdserve.frontend.workers import Role, WorkerPool
+from pdserve.metrics import RouterMetrics
 from pdserve.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from pdserve.frontend.serving import CallTracker
 
 logger = logging.getLogger(__name__)
 _FALLBACK_CONTEXT = 2048
+HEARTBEAT_S = 0.25
+STOPPED_GRACE_S = 5.0  # after the drain timeout: how long the stopped calls get to send their error
 
 
 class Router:
@@ -26,31 +47,45 @@ class Router:
         self.config = config
         self.tokenizer = tokenizer or Tokenizer(config.model_dir)
         self.prompts = PromptBuilder(self.tokenizer, config.inline_tokenize_chars)
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(config.served_model_name)
+        self.output = ChatOutput.load(config.model_dir, self.tokenizer)  # chat output parsing
+        self.output.on_diagnostic = self.metrics.parser_diagnostic
         self.ids = RequestIds()
         self.client = WorkerClient(config.connect_timeout_s, config.health_timeout_s)
         self.pool = WorkerPool(self.client, config.prefill_urls, config.decode_urls, config.worker_urls,
                                interval_s=config.health_interval_s, timeout_s=config.health_timeout_s,
-                               dead_after_s=config.dead_after_s, wedged_grace_s=config.wedged_grace_s,
-                               on_health=self._on_health)
-        self.services = Services(self.client, self.spawn, config.abort_timeout_s,
-                                 lambda reason: self.metrics.aborts.labels(reason).inc())
+                               dead_after_s=config.dead_after_s, wedged_grace_s=config.wedged_grace_s)
+        targets = _targets(config)
+        self.discovery = Discovery(self.pool, targets, config.discover_interval_s) if targets else None
+        self.services = Services(self.client, self.spawn, config.abort_timeout_s, self.metrics.aborted)
+        self.calls: set[CallTracker] = set()  # generations in flight
+        self.active = 0                       # /v1 requests being handled (the middleware counts)
+        self.draining = False                 # new requests get 503; those in flight go on
+        self.closing = False                  # the drain timeout passed: what is left is stopped
         self._model_context = _model_context(config)
         self._tasks: set[asyncio.Task[Any]] = set()
-        self._poller: asyncio.Task[None] | None = None
-        for w in self.pool.workers:
-            self._on_health(w)
+        self._background: list[asyncio.Task[Any]] = []
+        self._tick = time.monotonic()         # the heartbeat's last turn
+        self._stalled_at = -1e9               # when it last found the loop `loop_stall_s` late
 
     async def start(self) -> None:
-        """One round of probes first, so that a router started after its workers serves at once."""
+        """One round of discovery and probes first, so that a router started after its workers
+        serves at once."""
+        if self.discovery is not None:
+            await self.discovery.refresh()
         await self.pool.probe_all()
-        self._poller = asyncio.create_task(self.pool.run(), name="worker-health")
+        self._tick = time.monotonic()
+        jobs: dict[str, Coroutine[Any, Any, None]] = {"worker-health": self.pool.run(),
+                                                      "heartbeat": self._heartbeat()}
+        if self.discovery is not None:
+            jobs["discovery"] = self.discovery.run()
+        self._background = [asyncio.create_task(job, name=name) for name, job in jobs.items()]
         logger.info("router for %s: %d worker(s), %s", self.config.served_model_name, len(self.pool.workers),
                     "ready" if self.pool.ready else "waiting for workers")
 
     async def stop(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
+        for task in self._background:
+            task.cancel()
         if self._tasks:  # aborts still on their way
             await asyncio.wait(set(self._tasks), timeout=self.config.abort_timeout_s)
         await self.client.aclose()
@@ -71,8 +106,99 @@ class Router:
     def max_model_len(self) -> int:
         return self.config.max_model_len or self.pool.max_model_len or self._model_context
 
-    def _on_health(self, w: Worker) -> None:
-        self.metrics.worker_up.labels(w.url, w.role.value).set(1 if w.available else 0)
+    # ---- health and lifecycle ------------------------------------------------------------------
+
+    def liveness(self) -> tuple[bool, str]:
+        """(alive, status): the event loop is not stalled, nor was it in the last `loop_stall_s`
+        seconds (a loop blocked again and again fails the probes that come between the blocks
+        too), and no background task died."""
+        now, stall = time.monotonic(), self.config.loop_stall_s
+        if now - self._tick > stall or now - self._stalled_at < stall:
+            return False, "stalled"
+        if any(t.done() for t in self._background):
+            return False, "failed"
+        return True, "draining" if self.draining else "ok"
+
+    @property
+    def ready(self) -> bool:
+        return self.pool.ready and not self.draining
+
+    async def _heartbeat(self) -> None:
+        while True:
+            now = time.monotonic()
+            late = now - self._tick - HEARTBEAT_S
+            if late > self.config.loop_stall_s:
+                self._stalled_at = now
+                logger.warning("the event loop stalled for %.1f s", late)
+            self._tick = now
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def drain(self, timeout_s: float) -> None:
+        """Take no new requests (503); let those in flight finish for up to `timeout_s`; stop the
+        rest with a 503 error (a stream's last event), which aborts their rooms on the workers;
+        return once every call ended and the aborts were delivered."""
+        self.draining = True
+        logger.info("draining: %d request(s) in flight; they have %.0f s to finish", self.active, timeout_s)
+        if not await self._until_idle(timeout_s):
+            self.closing = True
+            logger.warning("drain timeout: stopping %d request(s) still running", len(self.calls))
+            error = unavailable("The server is shutting down; the request was stopped before it finished.")
+            for call in list(self.calls):
+                call.stop(error)
+            if not await self._until_idle(STOPPED_GRACE_S):
+                logger.error("%d request(s) still open after the drain", self.active)
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=self.config.abort_timeout_s)
+        logger.info("drained: no request in flight")
+
+    async def _until_idle(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        return not self.active
+
+
+class RouterServer(uvicorn.Server):
+    """uvicorn serving the router app; SIGTERM or SIGINT drains the router (`Router.drain`),
+    then the server exits (0). A second signal exits without waiting for the drain."""
+
+    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+        # log_config=None: uvicorn's loggers go through ours (text or JSON, pdserve.logs).
+        super().__init__(uvicorn.Config(app, host=host, port=port, access_log=False, log_level="warning",
+                                        log_config=None, timeout_graceful_shutdown=5))
+        self.router: Router = app.state.router
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task[None] | None = None
+        self._signalled = False
+
+    async def serve(self, sockets: Any = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # Not super(): it would re-raise the signal after serving, and the process would die of it.
+        if self._signalled or self._loop is None or not self.started:
+            self.force_exit = self.should_exit
+            self.should_exit = True
+            return
+        self._signalled = True
+        logger.info("%s: draining, then exiting", signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.create_task(self._drain(), name="drain")
+
+    async def _drain(self) -> None:
+        try:
+            await self.router.drain(self.router.config.drain_timeout_s)
+        finally:
+            self.should_exit = True
+
+
+def _targets(config: RouterConfig) -> list[Target]:
+    return ([parse_target(Role.PREFILL, t) for t in config.discover_prefill]
+            + [parse_target(Role.DECODE, t) for t in config.discover_decode]
+            + [parse_target(Role.BOTH, t) for t in config.discover_worker])
 
 
 def _model_context(config: RouterConfig) -> int:

@@ -6,6 +6,10 @@ is taken out of rotation and every request in flight on it fails at once (so a c
 within about two seconds, not at a read timeout). A worker that reports itself wedged (no loop
 step for a while) or draining gets no new requests; a wedged one's requests fail once it has
 been unwell for ``wedged_grace_s``. A worker is put back as soon as it answers healthy again.
+
+The set of workers can change while serving (``sync``, from DNS discovery): a new worker joins
+once it answers healthy; a worker that disappeared from its source retires (no new requests)
+and leaves once nothing runs on it any more, so its in-flight requests finish.
 """
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import asyncio
 import enum
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol
 
@@ -48,6 +52,8 @@ class Worker:
     last_ok: float = 0.0
     last_pick: float = 0.0
     inflight: set[InFlight] = field(default_factory=set)
+    source: str | None = None   # the discovery target (NAME:PORT) it came from; None: given as a URL
+    retired: bool = False       # gone from its source: no new requests, removed once idle
 
     @property
     def worker_id(self) -> str | None:
@@ -58,7 +64,8 @@ class Worker:
     @property
     def available(self) -> bool:
         """Takes new requests (a prefill worker only once its worker id is known)."""
-        return self.healthy and not self.draining and (self.role is not Role.PREFILL or bool(self.worker_id))
+        return (self.healthy and not self.draining and not self.retired
+                and (self.role is not Role.PREFILL or bool(self.worker_id)))
 
     def score(self) -> int:
         """Requests queued or running here: the worker's last report, or the router's own count
@@ -86,6 +93,8 @@ class WorkerPool:
         self.wedged_grace_s = wedged_grace_s
         self.clock = clock
         self.on_health = on_health
+        self._pollers: dict[Worker, asyncio.Task[None]] = {}
+        self._running = False
 
     # ---- choosing ------------------------------------------------------------------------------
 
@@ -128,7 +137,19 @@ class WorkerPool:
         worker counts as silent when no answer at all came for `dead_after_s`, however long one
         probe's timeout is.
         """
-        await asyncio.gather(*(self._poll(w) for w in self.workers), self._watch())
+        self._running = True
+        try:
+            for w in self.workers:
+                self._start_polling(w)
+            await self._watch()
+        finally:
+            self._running = False
+            for task in self._pollers.values():
+                task.cancel()
+            self._pollers.clear()
+
+    def _start_polling(self, w: Worker) -> None:
+        self._pollers[w] = asyncio.create_task(self._poll(w), name=f"poll-{w.url}")
 
     async def _poll(self, w: Worker) -> None:
         pending: set[asyncio.Task[None]] = set()
@@ -152,9 +173,10 @@ class WorkerPool:
             late, last = now - last - tick, now
             if late > 0.25:  # our own loop stalled: answers may be waiting unread; look next time
                 continue
-            for w in self.workers:
+            for w in list(self.workers):
                 if (w.healthy or w.inflight) and now - w.last_ok >= self.dead_after_s:
                     self.observe(w, Probe(False, "unreachable"))
+            self._drop_retired()
 
     async def _probe_safely(self, w: Worker) -> None:
         try:
@@ -163,7 +185,35 @@ class WorkerPool:
             logger.exception("probing worker %s failed", w.url)
 
     async def probe_all(self) -> None:
-        await asyncio.gather(*(self.probe(w) for w in self.workers))
+        await asyncio.gather(*(self.probe(w) for w in list(self.workers)))
+
+    # ---- membership ----------------------------------------------------------------------------
+
+    def sync(self, source: str, role: Role, urls: Iterable[str]) -> list[Worker]:
+        """The workers found at `source` are now `urls`. New ones join (polled at once; picked
+        after their first good probe); missing ones retire. Returns the new workers."""
+        wanted = {_norm(u) for u in urls}
+        known = {w.url: w for w in self.workers if w.source == source}
+        added = [Worker(url, role, source=source) for url in sorted(wanted - known.keys())]
+        for w in added:
+            logger.info("discovered %s worker %s (from %s)", role.value, w.url, source)
+            self.workers.append(w)
+            if self._running:
+                self._start_polling(w)
+        for url, w in known.items():
+            gone = url not in wanted
+            if gone != w.retired:
+                w.retired = gone
+                logger.info("%s worker %s %s %s", role.value, url, "left" if gone else "is back in", source)
+        self._drop_retired()
+        return added
+
+    def _drop_retired(self) -> None:
+        for w in [w for w in self.workers if w.retired and not w.inflight]:
+            self.workers.remove(w)
+            task = self._pollers.pop(w, None)
+            if task is not None:
+                task.cancel()
 
     async def probe(self, w: Worker) -> None:
         probe = await self.client.health(w.url, self.timeout_s)

@@ -11,6 +11,8 @@ import time
 
 import uvicorn
 
+from pdserve.logs import setup_logging
+
 from .server import build_app
 from .worker import Worker, WorkerSettings
 
@@ -33,6 +35,7 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="seconds a rank waits in a collective before it gives up")
     p.add_argument("--exit-with-parent", action="store_true",
                    help="exit when the parent process dies (used by `pdserve serve`)")
+    p.add_argument("--log-json", action="store_true", help="log one JSON object per line")
 
 
 class DrainingServer(uvicorn.Server):
@@ -69,6 +72,9 @@ class DrainingServer(uvicorn.Server):
 def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
     if args.exit_with_parent and sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    json_logs = getattr(args, "log_json", False)
+    if json_logs:  # uvicorn's loggers too: they propagate to ours
+        setup_logging(True, role)
     settings = WorkerSettings(role, args.worker_id, args.health_stall_timeout, args.drain_timeout,
                               args.tp, args.check_divergence, args.collective_timeout)
     server: uvicorn.Server | None = None
@@ -81,7 +87,8 @@ def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
     worker.start()
     app = build_app(worker, str(args.model or "default"))
     server = DrainingServer(worker, uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                                   access_log=False))
+                                                   access_log=False,
+                                                   log_config=None if json_logs else uvicorn.config.LOGGING_CONFIG))
     logger.info("%s worker %s (tp=%d) listening on http://%s:%d", role, settings.worker_id, settings.tp,
                 args.host, args.port)
     try:

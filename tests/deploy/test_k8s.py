@@ -386,3 +386,22 @@ def test_leaderworkerset_structure(rendered) -> None:
         # Leader and workers differ only where they must.
         same = {k: v for k, v in leader.items() if k not in ("args", "env", "ports") and "Probe" not in k}
         assert same == {k: v for k, v in worker.items() if k not in ("args", "env", "ports")}
+
+
+# ---------------------------------------------------------------- the commands themselves
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_router_and_deployment_worker_args_parse_with_the_pdserve_cli(rendered, overlay: str) -> None:
+    """Every flag the manifests give exists (`pdserve.cli`'s own parser). LeaderWorkerSet pods
+    are left out: their multi-node flags (--nnodes, --node-rank, --dist-init-addr) are not
+    pdserve flags yet."""
+    from pdserve.cli import build_parser
+
+    parser = build_parser()
+    checked = [p for p in pods(rendered[overlay]) if p.owner["kind"] == "Deployment"]
+    assert {p.role for p in checked} >= {"router"}
+    for p in checked:
+        args = parser.parse_args(p.container["args"])
+        assert args.command == p.role, p.name
+        if p.role == "router":
+            assert args.discover_prefill and args.discover_decode and args.log_json and args.drain_timeout > 0

@@ -28,18 +28,18 @@ def test_no_worker_available_is_a_503_before_any_stream(no_worker_client, stream
     assert r.json()["error"]["code"] == "service_unavailable"
 
 
-def test_health_is_503_without_workers_and_lists_them(no_worker_client):
-    r = no_worker_client.get("/health")
+def test_health_is_live_and_ready_is_503_without_workers_and_lists_them(no_worker_client):
+    assert no_worker_client.get("/health").status_code == 200
+    r = no_worker_client.get("/ready")
     assert r.status_code == 503
     assert {w["role"] for w in r.json()["workers"]} == {"prefill", "decode"}
 
 
-def test_models_lists_the_served_name_and_needs_the_key(no_worker_client):
-    r = no_worker_client.get("/v1/models", headers=AUTH)
-    assert r.status_code == 200
-    assert [m["id"] for m in r.json()["data"]] == ["SmolLM2-135M-Instruct"]
+def test_models_need_the_key_and_a_ready_router(no_worker_client):
     assert no_worker_client.get("/v1/models").status_code == 401
-    assert no_worker_client.get("/v1/models/default", headers=AUTH).status_code == 200
+    r = no_worker_client.get("/v1/models", headers=AUTH)
+    assert r.status_code == 503 and r.headers["retry-after"]
+    assert no_worker_client.get("/v1/models/default", headers=AUTH).status_code == 503
     assert no_worker_client.get("/v1/models/other", headers=AUTH).status_code == 404
 
 
@@ -48,8 +48,8 @@ def test_request_id_is_echoed(no_worker_client):
     assert r.headers["x-request-id"] == "abc-123"
 
 
-def test_metrics_are_prometheus_text_counting_requests(no_worker_client):
+def test_metrics_are_prometheus_text(no_worker_client):
     no_worker_client.post(CHAT, json=chat(n=0), headers=AUTH)
-    text = no_worker_client.get("/metrics").text
-    assert 'pdserve_router_requests_total{endpoint="/v1/chat/completions",status="400"}' in text
-    assert "pdserve_router_worker_healthy" in text
+    r = no_worker_client.get("/metrics")
+    assert r.headers["content-type"].startswith("text/plain; version=")
+    assert 'pdserve:num_requests_running{model_name="SmolLM2-135M-Instruct",role="router"} 0.0' in r.text

@@ -193,10 +193,11 @@ def test_client_disconnect_mid_stream_aborts_the_room(pd_server):
 def test_models_health_and_metrics(pd_server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert httpx.get(f"{pd_server.url}/health", timeout=5).status_code == 200
+    assert httpx.get(f"{pd_server.url}/ready", timeout=5).status_code == 200
     text = httpx.get(f"{pd_server.url}/metrics", timeout=5).text
-    for name in ("pdserve_router_requests_total", "pdserve_router_generation_tokens_total",
-                 "pdserve_router_time_to_first_token_seconds_bucket", "pdserve_router_aborts_total",
-                 "pdserve_router_e2e_request_latency_seconds_count"):
+    for name in ("pdserve:request_success_total", "pdserve:generation_tokens_total",
+                 "pdserve:time_to_first_token_seconds_bucket", "pdserve:aborts_total",
+                 "pdserve:e2e_request_latency_seconds_count"):
         assert name in text
 
 

@@ -91,7 +91,8 @@ def stream_until_error(url: str, after_tokens: int, fault, body: dict = LONG) ->
 
 
 def router_health(url: str) -> int:
-    return httpx.get(url + "/health", timeout=5).status_code
+    """The router's readiness: 200 while a prefill and a decode worker take requests."""
+    return httpx.get(url + "/ready", timeout=5).status_code
 
 
 def wait_for(cond, timeout_s: float, what: str) -> None:

@@ -337,12 +337,12 @@ def test_chat_stream_opens_with_the_role_and_ends_with_usage(tokenizer):
     r = ChatRenderer("chatcmpl-x", "m", 2, 10, tokenizer, include_usage=True)
     opening = r.opening()
     assert [c["choices"][0]["delta"] for c in opening] == [{"role": "assistant", "content": ""}] * 2
-    chunk = r.absorb(_event(1, "Hi", [5], "stop"))
+    [chunk] = r.absorb(_event(1, "Hi", [5], "stop"))
     assert chunk["choices"] == [{"index": 1, "delta": {"content": "Hi"}, "logprobs": None,
                                  "finish_reason": "stop"}]
     assert chunk["usage"] is None and chunk["object"] == "chat.completion.chunk"
     assert r.usage_chunk()["choices"] == [] and r.usage_chunk()["usage"]["total_tokens"] == 11
-    assert r.absorb(_event(0, "", [])) is None
+    assert r.absorb(_event(0, "", [])) == []
 
 
 def test_completion_logprobs_have_tokens_and_offsets(tokenizer):

@@ -1,0 +1,336 @@
+"""Tool calling end to end: `pdserve serve` with the scripted model and each real tokenizer
+(DeepSeek V3.2, DeepSeek V4, GLM-4.7/GLM-5, Qwen3), through router → prefill → KV transfer →
+decode → parser → SSE.
+
+One server per tokenizer (module-scoped: only one runs at a time). V3.2 and GLM run in PD mode,
+V4 and Qwen colocated; the V4 server streams with --stream-batch 4. Every case compares what the
+client gets with the script's meaning (tests/frontend/scripted.py): reasoning, one sentence of
+content, two calls.
+"""
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.frontend.conftest import Server, free_port, serve_command, start_server, stop_server
+from tests.frontend.scripted import (CALLS, CONTENT, FAMILIES, MESSAGES, REASONING, TOOLS, Family, script_ids,
+                                     write_scripted_model, write_tokenizer)
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "scripted"
+SERVE = {"v32": ("--mode", "pd"), "v4": ("--mode", "colocated", "--stream-batch", "4"),
+         "glm": ("--mode", "pd"), "qwen": ("--mode", "colocated")}
+EXTRA_TOOL = {"type": "function", "function": {"name": "get_news", "parameters": {"type": "object",
+                                                                                   "properties": {}}}}
+# Markup of any family that must never reach content or reasoning.
+MARKUP = re.compile(r"\uff5cDSML\uff5c|<\uff5c|invoke|parameter name|function_calls|<tool_call>|</tool_call>|"
+                    r"<arg_key>|<arg_value>|<think>|</think>|\"name\": \"get_")
+TIMEOUT = 300  # the first test of a family also starts its server
+
+
+@dataclass
+class Served:
+    name: str
+    family: Family
+    model_dir: Path
+    server: Server
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    name = request.param
+    model_dir = write_scripted_model(FAMILIES[name], tmp_path_factory.mktemp(f"scripted-{name}"))
+    server = start_server("--model", str(model_dir), "--served-model-name", MODEL, *SERVE[name],
+                          log_path=model_dir.parent / f"serve-{name}.log")
+    try:
+        warm_up(server)
+        yield Served(name, FAMILIES[name], model_dir, server)
+    finally:
+        stop_server(server.proc)
+
+
+def warm_up(server: Server, timeout_s: float = 60) -> None:
+    """One answered request before the tests (on a loaded machine, workers that just started
+    may miss a health probe or two)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.post(f"{server.v1}/chat/completions", json={"model": MODEL, "messages": MESSAGES, "max_tokens": 1},
+                       timeout=60)
+        if r.status_code == 200 or time.monotonic() > deadline:
+            assert r.status_code == 200, r.text
+            return
+        time.sleep(0.5)
+
+
+def body(s: Served, **fields: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"model": MODEL, "messages": MESSAGES, "temperature": 0}
+    if s.family.thinking:
+        out["chat_template_kwargs"] = s.family.thinking
+    return {**out, **fields}
+
+
+def post(s: Served, **fields: Any) -> dict[str, Any]:
+    r = httpx.post(f"{s.server.v1}/chat/completions", json=body(s, **fields), timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(url: str, payload: dict[str, Any], client: Any = None) -> list[dict[str, Any]]:
+    """Every SSE event's JSON (the error object too); checks the stream ends with [DONE] unless
+    it ended with an error."""
+    events: list[dict[str, Any]] = []
+    done = False
+    with (client or httpx).stream("POST", url, json={**payload, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            events.append(json.loads(line[len("data: "):]))
+    assert done or "error" in events[-1]
+    return events
+
+
+def accumulate(chunks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A client's view of a stream (choice 0), checking OpenAI's tool-call delta conventions:
+    a call's first delta has index, id, type and name with empty arguments; later ones only
+    index and an argument fragment."""
+    msg: dict[str, Any] = {"content": "", "reasoning_content": "", "reasoning": "", "tool_calls": {}}
+    finish = None
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            for key in ("content", "reasoning_content", "reasoning"):
+                msg[key] += delta.get(key) or ""
+            for call in delta.get("tool_calls") or []:
+                calls = msg["tool_calls"]
+                if call["index"] not in calls:
+                    assert call["id"] and call["type"] == "function" and call["function"]["arguments"] == ""
+                    calls[call["index"]] = {"id": call["id"], "name": call["function"]["name"], "arguments": ""}
+                else:
+                    assert set(call) == {"index", "function"} and set(call["function"]) == {"arguments"}
+                    calls[call["index"]]["arguments"] += call["function"]["arguments"]
+            finish = choice["finish_reason"] or finish
+    assert msg["reasoning"] == msg["reasoning_content"]
+    return {"content": msg["content"], "reasoning": msg["reasoning_content"], "finish_reason": finish,
+            "calls": [(c["name"], c["arguments"]) for _, c in sorted(msg["tool_calls"].items())]}
+
+
+def summary(response: dict[str, Any]) -> dict[str, Any]:
+    """The non-streaming answer in `accumulate`'s shape."""
+    choice = response["choices"][0]
+    message = choice["message"]
+    assert message.get("reasoning") == message.get("reasoning_content")
+    return {"content": message["content"] or "", "reasoning": message.get("reasoning_content") or "",
+            "finish_reason": choice["finish_reason"],
+            "calls": [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]}
+
+
+def both(s: Served, **fields: Any) -> dict[str, Any]:
+    """The same request non-streamed and streamed: equal aggregates; returns the aggregate."""
+    plain = summary(post(s, **fields))
+    streamed = accumulate(stream(f"{s.server.v1}/chat/completions", body(s, **fields)))
+    assert streamed == plain
+    return plain
+
+
+def assert_no_markup(result: dict[str, Any]) -> None:
+    assert not MARKUP.search(result["content"]), result["content"]
+    assert not MARKUP.search(result["reasoning"]), result["reasoning"]
+
+
+def parsed_calls(result: dict[str, Any]) -> list[tuple[str, Any]]:
+    return [(name, json.loads(arguments)) for name, arguments in result["calls"]]
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_tool_calls_streamed_and_non_streamed_are_the_same_calls(served: Served) -> None:
+    result = both(served, tools=TOOLS)
+    assert result["finish_reason"] == "tool_calls"
+    assert parsed_calls(result) == CALLS
+    assert (result["reasoning"], result["content"]) == (REASONING, CONTENT)
+    assert_no_markup(result)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_first_delta_of_a_call_names_it_then_fragments_follow(served: Served) -> None:
+    chunks = stream(f"{served.server.v1}/chat/completions", body(served, tools=TOOLS))
+    first = [c["choices"][0]["delta"]["tool_calls"][0] for c in chunks
+             if c["choices"] and "id" in (c["choices"][0]["delta"].get("tool_calls") or [{}])[0]]
+    assert [(d["index"], d["type"], d["function"]) for d in first] == [
+        (0, "function", {"name": "get_weather", "arguments": ""}),
+        (1, "function", {"name": "get_time", "arguments": ""})]
+    assert first[0]["id"] != first[1]["id"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_without_tools_calls_are_swallowed_and_no_markup_reaches_content(served: Served) -> None:
+    result = both(served)
+    assert (result["calls"], result["finish_reason"]) == ([], "stop")
+    assert (result["reasoning"], result["content"]) == (REASONING, CONTENT)
+    assert_no_markup(result)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_tool_choice_none_swallows_calls(served: Served) -> None:
+    result = both(served, tools=TOOLS, tool_choice="none")
+    assert (result["calls"], result["finish_reason"], result["content"]) == ([], "stop", CONTENT)
+    assert_no_markup(result)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_parallel_tool_calls_false_keeps_the_first_call_only(served: Served) -> None:
+    result = both(served, tools=TOOLS, parallel_tool_calls=False)
+    assert parsed_calls(result) == CALLS[:1]
+    assert result["finish_reason"] == "tool_calls"
+    assert_no_markup(result)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_max_tokens_inside_a_call_ends_with_length_and_a_partial_call(served: Served) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(served.model_dir / "tokenizer.json"))
+    ids = script_ids(served.model_dir)
+    full = both(served, tools=TOOLS)["calls"][0][1]
+    # Cut right after the token that completes "Paris", inside the first call's arguments.
+    cut = next(k for k in range(1, len(ids) + 1) if "Paris" in tok.decode(ids[:k], skip_special_tokens=False))
+    result = both(served, tools=TOOLS, max_tokens=cut)
+    assert result["finish_reason"] == "length"
+    assert result["content"] == CONTENT
+    assert_no_markup(result)
+    if served.family.atomic:  # a Hermes call is released whole: a truncated one is not shown
+        assert result["calls"] == []
+    else:
+        [(name, arguments)] = result["calls"]
+        assert name == "get_weather" and full.startswith(arguments) and "Paris" in arguments
+        with pytest.raises(ValueError):  # nothing was invented to close it
+            json.loads(arguments)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_separate_reasoning_false_puts_reasoning_into_content(served: Served) -> None:
+    result = both(served, tools=TOOLS, separate_reasoning=False)
+    assert result["reasoning"] == ""
+    assert REASONING in result["content"] and result["content"].endswith(CONTENT)
+    assert parsed_calls(result) == CALLS
+    assert_no_markup(result)
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_stop_string_cuts_content_before_the_calls(served: Served) -> None:
+    result = both(served, tools=TOOLS, stop=["check"])
+    assert (result["content"], result["calls"], result["finish_reason"]) == ("Let me ", [], "stop")
+    assert result["reasoning"] == REASONING
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_required_tool_choice_is_satisfied_by_the_calls(served: Served) -> None:
+    result = both(served, tools=TOOLS, tool_choice="required")
+    assert parsed_calls(result) == CALLS and result["finish_reason"] == "tool_calls"
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_named_tool_choice_shows_only_that_function(served: Served) -> None:
+    result = both(served, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert parsed_calls(result) == CALLS[1:] and result["finish_reason"] == "tool_calls"
+    assert result["calls"][0][0] == "get_time" and result["content"] == CONTENT
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_unsatisfied_tool_choice_is_an_error_object(served: Served) -> None:
+    choice = {"type": "function", "function": {"name": "get_news"}}
+    payload = body(served, tools=[*TOOLS, EXTRA_TOOL], tool_choice=choice)
+    r = httpx.post(f"{served.server.v1}/chat/completions", json=payload, timeout=60)
+    assert r.status_code == 500
+    error = r.json()["error"]
+    assert error["code"] == "tool_choice_not_satisfied" and "get_news" in error["message"]
+    assert "'get_weather'" in error["message"]  # what the model called instead
+    events = stream(f"{served.server.v1}/chat/completions", payload)
+    assert events[-1]["error"]["code"] == "tool_choice_not_satisfied"
+    assert accumulate(events[:-1])["content"] == CONTENT  # streamed before the check
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_openai_client_stream_helpers_accumulate_the_calls(served: Served) -> None:
+    from openai import OpenAI
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    client = OpenAI(base_url=served.server.v1, api_key="unused", max_retries=0)
+    extra = {"chat_template_kwargs": served.family.thinking} if served.family.thinking else None
+    with client.chat.completions.stream(model=MODEL, messages=MESSAGES, tools=TOOLS, temperature=0,
+                                        extra_body=extra) as s:
+        done = [e for e in s if e.type == "tool_calls.function.arguments.done"]
+        final = s.get_final_completion()
+    message = final.choices[0].message
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == CALLS
+    assert [(e.name, json.loads(e.arguments)) for e in done] == CALLS
+    assert final.choices[0].finish_reason == "tool_calls"
+
+    state = ChatCompletionStreamState()
+    for chunk in client.chat.completions.create(model=MODEL, messages=MESSAGES, tools=TOOLS, stream=True,
+                                                extra_body=extra):
+        state.handle_chunk(chunk)
+    again = state.get_final_completion().choices[0].message
+    assert [(c.function.name, c.function.arguments) for c in again.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in message.tool_calls]
+    assert getattr(again, "reasoning_content", None) == REASONING
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_stream_batching_1_to_8_gives_identical_aggregates(served: Served) -> None:
+    """A router in this process, in front of the served workers, at every --stream-batch."""
+    from fastapi.testclient import TestClient
+
+    from pdserve.frontend.app import create_app
+    from pdserve.frontend.config import RouterConfig
+
+    workers = served.server.workers()
+    urls = ({"worker_urls": [workers["both"]]} if "both" in workers
+            else {"prefill_urls": [workers["prefill"]], "decode_urls": [workers["decode"]]})
+    config = RouterConfig(model_dir=served.model_dir, served_model_name=MODEL, **urls)
+    expected = summary(post(served, tools=TOOLS))
+    sizes = []
+    with TestClient(create_app(config)) as client:
+        for n in range(1, 9):  # the setting is read per request: one router serves every N
+            client.app.state.router.config.stream_batch = n
+            chunks = stream("/v1/chat/completions", body(served, tools=TOOLS), client)
+            assert accumulate(chunks) == expected, f"stream batch {n}"
+            sizes.append(len(chunks))
+    assert sizes[0] > sizes[-1]  # batching did group tokens
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_every_choice_parses_its_own_calls(served: Served) -> None:
+    response = post(served, tools=TOOLS, n=2)
+    calls = [[(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in choice["message"]["tool_calls"]]
+             for choice in response["choices"]]
+    assert calls == [CALLS, CALLS]
+    ids = [c["id"] for choice in response["choices"] for c in choice["message"]["tool_calls"]]
+    assert len(set(ids)) == 4
+
+
+@pytest.mark.timeout(120)
+def test_serve_refuses_a_tokenizer_without_the_markers_before_starting_workers(tmp_path: Path) -> None:
+    tok = write_tokenizer("deepseek-v3.2", tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["ScriptedForCausalLM"], "model_type": "glm4_moe", "eos_token_id": 1,
+        "vocab_size": tok.get_vocab_size(with_added_tokens=True), "pdserve_script": [30]}))
+    proc = subprocess.run([*serve_command(), "--model", str(tmp_path), "--mode", "colocated",
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1
+    assert "marker '<tool_call>' is not a single token" in proc.stderr
+    assert "started worker" not in proc.stderr
