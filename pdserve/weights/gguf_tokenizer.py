@@ -100,7 +100,7 @@ def _split_merge(merge: str, vocab: Mapping[str, int]) -> tuple[str, str]:
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
     """A ``tokenizers.Tokenizer`` that encodes and decodes like llama.cpp does for this vocab."""
     if vocab.model != "gpt2":
-        raise NotImplementedError(
+        raise ValueError(
             f"tokenizer.ggml.model {vocab.model!r} is not supported (only byte-level BPE 'gpt2')"
         )
     token_to_id: dict[str, int] = {}
