@@ -209,3 +209,17 @@ class NixlEndpoint:
             self.agent.deregister_memory(self._reg)
         except self.errors as e:
             logger.warning("closing transfer agent %s: %s", self.name, e)
+
+
+def send_message(ep: "NixlEndpoint", peer: str, msg, on_dead, counters, owner: str) -> bool:
+    """Send a notification; a dead peer goes to `on_dead(peer, reason)`, any other transport
+    error is counted and logged. True when sent."""
+    try:
+        ep.send(peer, msg)
+        return True
+    except PeerGone as e:
+        on_dead(peer, str(e))
+    except TransportError as e:
+        counters["send_errors"] += 1
+        logger.warning("%s: sending %s to %s: %s", owner, type(msg).__name__, peer, e)
+    return False

@@ -18,7 +18,7 @@ from .base import TransferConfig, TransferSource
 from .bootstrap import BootstrapInfo
 from .events import Fenced, PeerDead, RoomAborted, RoomFailed, RoomWritten, SourceEvent
 from .layout import PoolLayout
-from .nixl_backend import NixlEndpoint, PeerGone, TransportError, XferHandle, XferStatus
+from .nixl_backend import NixlEndpoint, PeerGone, TransportError, XferHandle, XferStatus, send_message
 from .rooms import Outcome, RoomEvent, RoomState, RoomTable
 from .wire import Abort, Done, Fail, Fence, Hello, Message, Ping, WireError, decode, encode
 
@@ -235,15 +235,7 @@ class NixlSource(TransferSource):
     def _send(self, peer: str, msg: Message) -> bool:
         if peer not in self._peers:
             return False
-        try:
-            self._ep.send(peer, msg)
-            return True
-        except PeerGone as e:
-            self._peer_dead(peer, str(e))
-        except TransportError as e:
-            self.counters["send_errors"] += 1
-            logger.warning("%s: sending %s to %s: %s", self.name, type(msg).__name__, peer, e)
-        return False
+        return send_message(self._ep, peer, msg, self._peer_dead, self.counters, self.name)
 
     def _peer_dead(self, peer: str, reason: str) -> None:
         known = self._peers.pop(peer, None) is not None

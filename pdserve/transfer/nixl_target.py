@@ -15,7 +15,7 @@ from .base import TransferConfig, TransferTarget
 from .bootstrap import BootstrapInfo
 from .events import Fenced, PeerConnected, PeerDead, RoomAborted, RoomDone, RoomFailed, TargetEvent
 from .layout import LayoutMismatch, PoolLayout
-from .nixl_backend import NixlEndpoint, PeerGone, TransportError
+from .nixl_backend import NixlEndpoint, TransportError, send_message
 from .rooms import Outcome, RoomEvent, RoomState, RoomTable
 from .wire import Abort, Done, Fail, Fence, Hello, Message, Ping, WireError, decode
 
@@ -56,15 +56,7 @@ class NixlTarget(TransferTarget):
     def send_control(self, peer: str, msg: Message) -> bool:
         if peer not in self._sources:
             return False
-        try:
-            self._ep.send(peer, msg)
-            return True
-        except PeerGone as e:
-            self._peer_dead(peer, str(e))
-        except TransportError as e:
-            self.counters["send_errors"] += 1
-            logger.warning("%s: sending %s to %s: %s", self.name, type(msg).__name__, peer, e)
-        return False
+        return send_message(self._ep, peer, msg, self._peer_dead, self.counters, self.name)
 
     def poll(self) -> list[TargetEvent]:
         try:
