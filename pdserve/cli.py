@@ -26,6 +26,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nvfp4-mode", default=d.nvfp4_mode, choices=["auto", "w4a16", "w4a4"],
                    help="how NVFP4 checkpoints compute on CPU: w4a16 (dequantized weights, the default "
                         "there) or w4a4 (exact emulation of the SM120 block-scaled GEMM)")
+    p.add_argument("--index-cache-dtype", default=d.index_cache_dtype, choices=["bfloat16", "fp8", "float32"],
+                   help="DSA index keys of DeepSeek-V3.2/GLM-5 models in the KV cache: bfloat16 (the "
+                        "default: fp8 keys lose long-context recall), fp8 (e4m3, one scale per token) or float32")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="torch CPU threads per process (0: torch's default; 1 is best when processes share cores)")
 
@@ -34,7 +37,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        threads=args.threads, nvfp4_mode=args.nvfp4_mode)
+                        threads=args.threads, nvfp4_mode=args.nvfp4_mode,
+                        index_cache_dtype=args.index_cache_dtype)
 
 
 def _bytes(text: str) -> int:

@@ -105,7 +105,7 @@ def worker_commands(args: argparse.Namespace, model_dir: Path) -> list[tuple[str
 def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = []
     for name in ("tp", "dtype", "device", "block_size", "kv_cache_memory", "max_num_seqs",
-                 "max_num_batched_tokens", "max_model_len", "threads"):
+                 "max_num_batched_tokens", "max_model_len", "threads", "index_cache_dtype"):
         value = getattr(args, name, None)
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]

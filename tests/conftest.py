@@ -9,6 +9,7 @@ from pdserve.engine.model_runner import ModelRunner
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 from pdserve.kvcache import BlockAllocator, KVPool
+from tests.tiny_models import make_deepseek
 
 # Two cores shared by the test process and the workers it starts: OpenMP teams of 2 threads
 # slow every matmul by an order of magnitude when another process is busy.
@@ -42,10 +43,11 @@ def all_logits():
     return _all_logits
 
 
-def _all_logits(model: torch.nn.Module, ids: list[int], chunk: int | None = None, block_size: int = 4
-               ) -> torch.Tensor:
-    """Logits at every position of `ids`, computed in chunks of `chunk` tokens through the cache."""
-    specs = model.cache_spec(torch.float32)
+def _all_logits(model: torch.nn.Module, ids: list[int], chunk: int | None = None, block_size: int = 4,
+                index_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Logits at every position of `ids`, computed in chunks of `chunk` tokens through the cache
+    (DSA index keys, where the model has them, cached as `index_dtype`)."""
+    specs = model.cache_spec(torch.float32, index_dtype)
     n_blocks = -(-len(ids) // block_size) + 1
     pool = KVPool(model.num_layers, specs, n_blocks, block_size)
     runner = ModelRunner(model, pool)
@@ -76,6 +78,18 @@ def tiny_llama4_dir(tmp_path_factory) -> str:
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def deepseek_dir(tmp_path_factory):
+    """kind → the directory of make_deepseek(kind), built once per session."""
+    made: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in made:
+            made[kind] = make_deepseek(tmp_path_factory.mktemp(kind), kind)
+        return made[kind]
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ class EngineConfig:
     max_model_len: int | None = None    # default: the model's max_position_embeddings
     threads: int = 0                    # torch CPU threads (0: torch's default)
     nvfp4_mode: str = "auto"            # NVFP4 checkpoints: auto | w4a16 | w4a4
+    index_cache_dtype: str = "bfloat16"  # DSA index keys (DeepSeek-V3.2, GLM-5): bfloat16 | fp8 | float32
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -16,6 +16,7 @@ from pdserve.distributed import TPGroup
 from pdserve.distributed.comm import LocalComm
 from pdserve.distributed.trace import CollectiveTrace
 from pdserve.kvcache import BlockAllocator, KVPool
+from pdserve.layers.dsa import INDEX_DTYPES
 from pdserve.models import eos_token_ids, load_model, read_config
 from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
 from pdserve.scheduler.lockstep import LockstepLoop
@@ -55,7 +56,7 @@ class LLMEngine:
         self.comm.trace = self.trace
         self.rank = tp.rank
         self.model = load_model(self.model_dir, dtype, config.device, tp, config.nvfp4_mode)
-        specs = self.model.cache_spec(dtype)
+        specs = self.model.cache_spec(dtype, INDEX_DTYPES[config.index_cache_dtype])
         num_blocks = KVPool.blocks_for_budget(config.kv_cache_memory, self.model.num_layers, specs,
                                               config.block_size)
         self.pool = KVPool(self.model.num_layers, specs, num_blocks, config.block_size, config.device)

@@ -56,6 +56,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     e.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once")
     e.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     e.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
+    e.add_argument("--index-cache-dtype", default=None, choices=["bfloat16", "fp8", "float32"],
+                   help="DSA index keys in the KV cache (DeepSeek-V3.2/GLM-5; default bfloat16)")
     e.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for every worker command line (repeatable), "
                         "e.g. --worker-arg=--health-stall-timeout=30")

@@ -24,6 +24,32 @@ class AttentionMetadata:
     kv_caches: list[dict[str, torch.Tensor]]  # per layer: cache tensor name → [blocks, block_size, ...]
 
 
+@dataclass
+class SeqSpan:
+    """One sequence of a step, for attention that reads its whole context from the cache:
+    its query tokens, the cache slots of its context (this step's tokens included) and the
+    causal mask `[n_queries, context]` (query at position p sees context tokens 0..p)."""
+
+    queries: slice
+    context_slots: torch.Tensor
+    causal: torch.Tensor
+
+    @property
+    def context_len(self) -> int:
+        return self.context_slots.shape[0]
+
+
+def sequence_spans(meta: AttentionMetadata, positions: torch.Tensor, block_size: int) -> list[SeqSpan]:
+    """The SeqSpans of a step (computed once per step, shared by every layer)."""
+    spans = []
+    for i, ctx in enumerate(meta.context_lens):
+        pos = torch.arange(ctx, device=positions.device)
+        slots = meta.block_tables[i, pos // block_size] * block_size + pos % block_size
+        queries = slice(meta.query_start_loc[i], meta.query_start_loc[i + 1])
+        spans.append(SeqSpan(queries, slots, pos[None, :] <= positions[queries][:, None]))
+    return spans
+
+
 class Attention(nn.Module):
     """Stores this step's k/v in the paged cache of layer `layer_idx`, then attends."""
 

@@ -123,13 +123,16 @@ class RowParallelLinear(ReplicatedLinear):
     """Input features split across ranks; partial outputs summed with one all_reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 tp: TPGroup = TPGroup(), method: LinearMethod | None = None):
+                 tp: TPGroup = TPGroup(), method: LinearMethod | None = None, reduce: bool = True):
         start, stop = tp.shard(in_features)
         super().__init__(stop - start, out_features, bias, tp, method)
         self.in_features = in_features
+        self.reduce = reduce  # False: the caller sums the partial outputs (with others, in one all_reduce)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(self.method.apply(self, x, None))
+        y = self.method.apply(self, x, None)
+        if self.reduce:
+            y = self.tp.all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
     def shard(self, shard_id: object) -> Shard:

@@ -27,3 +27,11 @@ class RMSNorm(nn.Module):
 
     def load(self, param: str, source, name: str, shard_id: object = None) -> None:
         self.weight.data.copy_(source.get_slice(name, 0, 0, self.weight.shape[0], self.weight.dtype))
+
+
+class LayerNorm(nn.LayerNorm):
+    """torch's LayerNorm (weight and bias), loadable from a checkpoint like the other layers."""
+
+    def load(self, param: str, source, name: str, shard_id: object = None) -> None:
+        p = getattr(self, param)
+        p.data.copy_(source.get_slice(name, 0, 0, p.shape[0], p.dtype))

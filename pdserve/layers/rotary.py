@@ -1,4 +1,5 @@
-"""Rotary position embeddings (the rotate-half convention of Hugging Face Llama), with llama3 scaling."""
+"""Rotary position embeddings: the rotate-half convention of Hugging Face Llama and DeepSeek's
+interleaved pairs, with linear, llama3 and yarn scaling."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ from torch import nn
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    """Inverse frequencies, adjusted by `rope_scaling` (types: default, linear, llama3)."""
+    """Inverse frequencies, adjusted by `rope_scaling` (types: default, linear, llama3, yarn)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
     if kind == "default":
@@ -25,22 +26,69 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
         return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     raise ValueError(f"unsupported rope_scaling type {kind!r}")
 
 
-class RotaryEmbedding(nn.Module):
-    """Applies RoPE to q `[T, H, D]` and k `[T, KVH, D]` at the given positions."""
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict) -> torch.Tensor:
+    """YaRN: interpolate the slow frequencies by `factor`, keep the fast ones, ramp in between."""
+    factor = scaling["factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def rope_attention_factor(scaling: dict | None) -> float:
+    """YaRN's magnitude correction, applied to cos and sin (1 for every other type)."""
+    if (scaling or {}).get("rope_type", (scaling or {}).get("type")) != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor, mscale, mscale_all = scaling["factor"], scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and mscale_all:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+    return yarn_mscale(factor)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to q `[T, H, D]` and k `[T, KVH, D]` at the given positions.
+
+    `interleaved`: DeepSeek's layout, where dims (0,1), (2,3)... are the rotated pairs. The output
+    is de-interleaved (rotated evens, then rotated odds), as in transformers: q·k is unchanged
+    because q and k get the same permutation.
+    """
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None, interleaved: bool = False):
         super().__init__()
         # a plain attribute, not a buffer: model.to(bf16) must not round the frequencies
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.factor = rope_attention_factor(scaling)
+        self.interleaved = interleaved
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos()[:, None, :], emb.sin()[:, None, :]
+        cos, sin = freqs.cos() * self.factor, freqs.sin() * self.factor
+        if self.interleaved:
+            return _rotate_pairs(q, cos, sin), _rotate_pairs(k, cos, sin)
+        cos, sin = torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
@@ -48,3 +96,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    even, odd = x[..., 0::2].float(), x[..., 1::2].float()
+    return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1).to(x.dtype)

@@ -13,10 +13,10 @@ from torch import nn
 
 from pdserve.distributed import TPGroup
 from pdserve.kvcache import CacheTensorSpec
-from pdserve.layers.activation import silu_and_mul
 from pdserve.layers.attention import Attention, AttentionMetadata
 from pdserve.layers.embedding import Embedding, LMHead
-from pdserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from pdserve.layers.linear import QKVParallelLinear, RowParallelLinear
+from pdserve.layers.mlp import GatedMLP
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.quant import QuantConfig, linear_method
 from pdserve.layers.rotary import RotaryEmbedding
@@ -99,25 +99,11 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, c: LlamaConfig, layer_idx: int, tp: TPGroup, quant: QuantConfig | None = None):
-        super().__init__()
-        p = f"model.layers.{layer_idx}.mlp"
-        self.gate_up_proj = MergedColumnParallelLinear(
-            c.hidden_size, [c.intermediate_size] * 2, tp=tp,
-            method=linear_method(quant, [f"{p}.gate_proj", f"{p}.up_proj"]))
-        self.down_proj = RowParallelLinear(c.intermediate_size, c.hidden_size, tp=tp,
-                                           method=linear_method(quant, [f"{p}.down_proj"]))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, c: LlamaConfig, layer_idx: int, tp: TPGroup, quant: QuantConfig | None = None):
         super().__init__()
         self.self_attn = LlamaAttention(c, layer_idx, tp, quant)
-        self.mlp = LlamaMLP(c, layer_idx, tp, quant)
+        self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, f"model.layers.{layer_idx}.mlp", tp, quant)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -170,7 +156,8 @@ class LlamaForCausalLM(nn.Module):
     def num_layers(self) -> int:
         return self.config.num_layers
 
-    def cache_spec(self, dtype: torch.dtype) -> list[CacheTensorSpec]:
+    def cache_spec(self, dtype: torch.dtype, index_dtype: torch.dtype | None = None) -> list[CacheTensorSpec]:
+        """K and V per KV head (`index_dtype` is for sparse-attention models; Llama has no index)."""
         kv = self.model.layers[0].self_attn.num_kv_heads
         shape = (kv, self.config.head_dim)
         return [CacheTensorSpec("k", shape, dtype), CacheTensorSpec("v", shape, dtype)]

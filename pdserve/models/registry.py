@@ -12,12 +12,16 @@ from torch import nn
 
 from pdserve.distributed import TPGroup
 
+from .deepseek import DeepseekForCausalLM
 from .llama import LlamaForCausalLM
 from .scripted import ScriptedForCausalLM
 
 logger = logging.getLogger(__name__)
 
 ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV32ForCausalLM": DeepseekForCausalLM,
+    "GlmMoeDsaForCausalLM": DeepseekForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,

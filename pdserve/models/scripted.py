@@ -36,7 +36,7 @@ class ScriptedForCausalLM(nn.Module):
             raise ValueError("pdserve_script and eos_token_id must be ids below vocab_size")
         self.num_layers = 1
 
-    def cache_spec(self, dtype: torch.dtype) -> list[CacheTensorSpec]:
+    def cache_spec(self, dtype: torch.dtype, index_dtype: torch.dtype | None = None) -> list[CacheTensorSpec]:
         return [CacheTensorSpec("pos", (1,), torch.float32)]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
