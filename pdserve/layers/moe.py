@@ -9,9 +9,11 @@ The math is transformers' `DeepseekV3MoE` (identical in `DeepseekV32MoE` and `Gl
   best groups compete, and the `num_experts_per_tok` best biased scores among them win. The
   *weights* are the unbiased `s` of the winners, divided by their sum (+1e-20) when
   `norm_topk_prob`, times `routed_scaling_factor`.
-* Each routed expert runs in the model dtype; its output times the fp32 weight is cast back to
-  the model dtype and summed into the result. The shared experts (one SwiGLU MLP of width
-  `n_shared_experts * moe_intermediate_size`) see every token and are added to it.
+* Each routed expert runs in the model dtype; its outputs times the fp32 weights are summed
+  in fp32 and rounded to the model dtype once, as transformers' default experts path
+  (`grouped_mm`) does (its eager loop instead rounds every contribution before adding it).
+  The shared experts (one SwiGLU MLP of width `n_shared_experts * moe_intermediate_size`) see
+  every token; their output is added in the model dtype.
 
 Tensor parallelism: expert parallelism inside the TP group, not TP-sharded experts. After
 attention every TP rank holds every token, so rank r runs the contiguous block of experts
@@ -26,20 +28,22 @@ whose experts are popular in a batch works longer; with many tokens per step it 
 Checkpoint names (per expert, as transformers' save_pretrained and real checkpoints write them):
 `{prefix}.gate.weight`, `{prefix}.gate.e_score_correction_bias`,
 `{prefix}.experts.{e}.{gate,up,down}_proj.*`, `{prefix}.shared_experts.{gate,up,down}_proj.*`;
-gate/up load into the fused `gate_up_proj` (shard ids 0 and 1). `MoE.load_weights` (or
-`MoE.target` inside a model's own loop) does the mapping and skips other ranks' experts.
+gate/up load into the fused `gate_up_proj` (shard ids 0 and 1), the rest 1:1, through each
+submodule's `load(param, source, name, shard_id)`. Only this rank's experts exist here, so a
+loader skips the tensors of experts `owns` is False for (`load_weights` does all of this for
+one block).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import accumulate
 
 import torch
 from torch import nn
 
 from pdserve.distributed import TPGroup
-from pdserve.layers.activation import silu_and_mul
-from pdserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from pdserve.layers.quant import QuantConfig, linear_method
+from pdserve.layers.mlp import GatedMLP
+from pdserve.layers.quant import QuantConfig
 
 # checkpoint module name → (our module name, shard id of the fused gate_up_proj)
 STACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -67,7 +71,8 @@ class Router(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.routed_scaling_factor = routed_scaling_factor
         # fp32 whatever the model dtype, as transformers keeps them (_keep_in_fp32_modules_strict):
-        # routing decisions must not depend on a bf16 rounding of the logits
+        # routing decisions must not depend on a bf16 rounding of the logits. The bias is a
+        # parameter (a buffer in transformers) so that a loader's missing-tensor check covers it.
         self.weight = nn.Parameter(torch.empty(n_experts, hidden_size, dtype=torch.float32),
                                    requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32),
@@ -99,28 +104,8 @@ class Router(nn.Module):
         target = getattr(self, param)
         if not tensor.is_floating_point() or tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(f"checkpoint tensor {name} is {tensor.dtype} {tuple(tensor.shape)}; the "
-                             f"router expects a float {tuple(target.shape)}")
+                             f"router expects an unquantized float {tuple(target.shape)}")
         target.data.copy_(tensor.to(torch.float32))
-
-
-class ExpertMLP(nn.Module):
-    """SwiGLU MLP whose down projection returns its partial sum: the MoE reduces once for all.
-
-    Routed experts are built with a size-1 group (whole on one rank), the shared experts with
-    the TP group (gate/up column-parallel, down row-parallel).
-    """
-
-    def __init__(self, hidden_size: int, intermediate_size: int, prefix: str, tp: TPGroup,
-                 quant: QuantConfig | None):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, tp=tp,
-            method=linear_method(quant, [f"{prefix}.gate_proj", f"{prefix}.up_proj"]))
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp=tp, reduce=False,
-                                           method=linear_method(quant, [f"{prefix}.down_proj"]))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class MoE(nn.Module):
@@ -128,8 +113,9 @@ class MoE(nn.Module):
 
     `prefix` is the block's checkpoint module name (e.g. `model.layers.3.mlp`); it names the
     checkpoint modules that `quant` is asked about and the tensors `load_weights` takes.
-    Layout: `gate` (Router), `experts` (ModuleDict: str(expert id) → ExpertMLP, only this
-    rank's), `shared_experts` (ExpertMLP, or None when `n_shared_experts` is 0).
+    Layout: `gate` (Router), `experts` (ModuleDict: str(expert id) → GatedMLP, only this
+    rank's, whole), `shared_experts` (GatedMLP, TP-sharded; None when `n_shared_experts` is
+    0). Neither reduces its down projection: `forward` sums everything with one all_reduce.
     """
 
     def __init__(self, hidden_size: int, moe_intermediate_size: int, n_routed_experts: int,
@@ -146,12 +132,14 @@ class MoE(nn.Module):
         self.first_expert, self.last_expert = tp.shard(n_routed_experts)  # contiguous: same on every run
         self.gate = Router(hidden_size, n_routed_experts, num_experts_per_tok, n_group, topk_group,
                            norm_topk_prob, routed_scaling_factor)
+        # a routed expert is whole on its rank: a size-1 group, so nothing is sharded or reduced
         self.experts = nn.ModuleDict({
-            str(e): ExpertMLP(hidden_size, moe_intermediate_size, f"{prefix}.experts.{e}", TPGroup(), quant)
+            str(e): GatedMLP(hidden_size, moe_intermediate_size, f"{prefix}.experts.{e}", TPGroup(),
+                             quant, reduce=False)
             for e in range(self.first_expert, self.last_expert)})
         self.shared_experts = (
-            ExpertMLP(hidden_size, moe_intermediate_size * n_shared_experts, f"{prefix}.shared_experts",
-                      tp, quant) if n_shared_experts else None)
+            GatedMLP(hidden_size, moe_intermediate_size * n_shared_experts, f"{prefix}.shared_experts",
+                     tp, quant, reduce=False) if n_shared_experts else None)
 
     def owns(self, expert: int) -> bool:
         """Whether this rank holds routed expert `expert`."""
@@ -167,68 +155,52 @@ class MoE(nn.Module):
 
     def _routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts over the tokens routed to them; one matmul pair per busy expert."""
-        out = torch.zeros_like(x)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         flat = ids.flatten()
         # (token, slot) pairs grouped by expert; `counts` is the one host sync per layer
         order = flat.argsort(stable=True)
         counts = torch.bincount(flat, minlength=self.n_routed_experts).tolist()
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
+        starts = [0, *accumulate(counts)]
         top_k = ids.shape[1]
         flat_weights = weights.flatten()
-        # ascending expert order, like the reference: the same summation order at TP=1
+        # fixed (ascending) expert order, and no token twice in one index_add_: the same sums
+        # on every run, on a GPU too
         for e in range(self.first_expert, self.last_expert):
             if not counts[e]:
                 continue
             pairs = order[starts[e]:starts[e + 1]]
             tokens = pairs // top_k
             y = self.experts[str(e)](x.index_select(0, tokens))
-            # model-dtype output times the fp32 weight, rounded back once (as the reference)
-            out.index_add_(0, tokens, (y * flat_weights[pairs, None]).to(x.dtype))
-        return out
+            out.index_add_(0, tokens, y.float() * flat_weights[pairs, None])
+        return out.to(x.dtype)
 
     # ---- loading ----------------------------------------------------------------------
-    def target(self, name: str) -> tuple[nn.Module, str, object] | None:
-        """(submodule, parameter, shard id) for checkpoint tensor `name` under `prefix`, or None
-        for a routed expert another rank holds (its tensors are not read at all)."""
-        if not name.startswith(self.prefix + "."):
-            raise ValueError(f"checkpoint tensor {name} is not under {self.prefix}")
-        path, _, param = name[len(self.prefix) + 1:].rpartition(".")
-        parts = path.split(".")
-        if parts[0] == "experts":
-            expert = int(parts[1]) if len(parts) == 3 and parts[1].isdigit() else -1
-            if not 0 <= expert < self.n_routed_experts:
-                raise ValueError(f"checkpoint tensor {name}: not a routed expert of "
-                                 f"{self.n_routed_experts} ({self.prefix})")
-            if not self.owns(expert):
-                return None
-        leaf, shard_id = STACKED.get(parts[-1], (parts[-1], None))
-        try:
-            module = self.get_submodule(".".join([*parts[:-1], leaf]))
-        except AttributeError:
-            module = None
-        if module is None or not hasattr(module, param):
-            raise ValueError(f"checkpoint tensor {name} has no place in the MoE block {self.prefix}; "
-                             "is the checkpoint's quantization config (or its exclude list) right?")
-        return module, param, shard_id
-
-    def load_weights(self, source, names: Iterable[str]) -> set[str]:
+    def load_weights(self, source, names: Iterable[str]) -> None:
         """Load checkpoint tensors `names` (all under `prefix`) into this rank's part of the block.
 
-        Returns the parameters loaded (names relative to this module) and raises when one of
-        this rank's parameters got no tensor. Other ranks' experts are skipped unread.
+        The mapping a model's own loader uses too: gate_proj/up_proj into `gate_up_proj` (shard
+        ids 0/1), everything else 1:1; tensors of experts this rank does not own are skipped
+        unread. Raises when a tensor has no place or a parameter of this rank got none.
         """
-        loaded: set[str] = set()
-        modules = {id(m): n for n, m in self.named_modules()}
+        modules = dict(self.named_modules())
+        expected = {n for n, _ in self.named_parameters()}
         for name in names:
-            found = self.target(name)
-            if found is None:
-                continue
-            module, param, shard_id = found
+            path, _, param = name.removeprefix(self.prefix + ".").rpartition(".")
+            parts = path.split(".")
+            if parts[0] == "experts" and len(parts) == 3 and parts[1].isdigit():
+                expert = int(parts[1])
+                if expert >= self.n_routed_experts:
+                    raise ValueError(f"checkpoint tensor {name}: expert {expert} of "
+                                     f"{self.n_routed_experts} routed experts")
+                if not self.owns(expert):
+                    continue  # another rank's
+            leaf, shard_id = STACKED.get(parts[-1], (parts[-1], None))
+            module_name = ".".join([*parts[:-1], leaf])
+            module = modules.get(module_name)
+            if module is None or not hasattr(module, param):
+                raise ValueError(f"checkpoint tensor {name} has no place in the MoE block {self.prefix}; "
+                                 "is the checkpoint's quantization config (or its exclude list) right?")
             module.load(param, source, name, shard_id)
-            loaded.add(f"{modules[id(module)]}.{param}")
-        missing = sorted({n for n, _ in self.named_parameters()} - loaded)
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors for {self.prefix}: {missing[:8]}")
-        return loaded
+            expected.discard(f"{module_name}.{param}")
+        if expected:
+            raise ValueError(f"checkpoint is missing tensors for {self.prefix}: {sorted(expected)[:8]}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
@@ -125,6 +126,15 @@ def _indexer_types(arch: str, cfg: dict) -> tuple[str, ...] | None:
     return types
 
 
+def cache_spec(c: DeepseekConfig, dtype: torch.dtype, index_dtype: torch.dtype = torch.bfloat16
+               ) -> list[CacheTensorSpec]:
+    """Per token and layer: the MLA latent, plus the DSA index key (in `index_dtype`) where there is one."""
+    specs = [CacheTensorSpec("latent", (c.mla.kv_lora_rank + c.mla.qk_rope_head_dim,), dtype)]
+    if c.indexer_types is not None:
+        specs += index_cache_spec(c.index_head_dim, index_dtype)
+    return specs
+
+
 class DeepseekDecoderLayer(nn.Module):
     def __init__(self, c: DeepseekConfig, layer_idx: int, tp: TPGroup, quant: QuantConfig | None):
         super().__init__()
@@ -152,7 +162,7 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekForCausalLM(nn.Module):
     """Entry point for the three architectures; the interface of pdserve.models.llama."""
 
-    stacked = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    stacked = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # dense layers' MLP
 
     def __init__(self, hf_config: dict, tp: TPGroup = TPGroup(), quant: QuantConfig | None = None):
         super().__init__()
@@ -170,12 +180,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def cache_spec(self, dtype: torch.dtype, index_dtype: torch.dtype = torch.bfloat16
                    ) -> list[CacheTensorSpec]:
-        """The MLA latent per token, plus the DSA index key (in `index_dtype`) where there is one."""
-        m = self.config.mla
-        specs = [CacheTensorSpec("latent", (m.kv_lora_rank + m.qk_rope_head_dim,), dtype)]
-        if self.config.indexer_types is not None:
-            specs += index_cache_spec(self.config.index_head_dim, index_dtype)
-        return specs
+        return cache_spec(self.config, dtype, index_dtype)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         block_size = meta.kv_caches[0]["latent"].shape[1]
@@ -208,19 +213,21 @@ class DeepseekForCausalLM(nn.Module):
         """Load from a WeightSource; each rank reads only its slices and its own experts."""
         modules = dict(self.named_modules())
         expected = {n for n, _ in self.named_parameters()}
+        moe_names: dict[int, list[str]] = defaultdict(list)
         skipped_mtp = set()
         for name in source.names():
             layer = re.match(r"model\.layers\.(\d+)\.", name)
-            if layer and int(layer.group(1)) >= self.config.num_layers:
-                skipped_mtp.add(int(layer.group(1)))  # multi-token-prediction layers: not used
+            i = int(layer.group(1)) if layer else None
+            if i is not None and i >= self.config.num_layers:
+                skipped_mtp.add(i)  # multi-token-prediction layers: not used
                 continue
             if "rotary_emb" in name or (name.startswith("lm_head") and self.config.tie_word_embeddings):
                 continue
             if self.quant is not None and self.quant.ignores_tensor(name):
                 continue
-            expert = re.search(r"\.mlp\.experts\.(\d+)\.", name)
-            if expert and layer and not self.layers[int(layer.group(1))].mlp.owns(int(expert.group(1))):
-                continue  # another TP rank's expert
+            if i is not None and isinstance(self.layers[i].mlp, MoE) and ".mlp." in name:
+                moe_names[i].append(name)  # the MoE block maps its own tensors (and skips other ranks' experts)
+                continue
             module_name, param, shard_id = self.checkpoint_target(name)
             module = modules.get(module_name)
             if module is None or not hasattr(module, param):
@@ -228,6 +235,9 @@ class DeepseekForCausalLM(nn.Module):
                                  "(or the quantization config's exclude list) match the checkpoint?")
             module.load(param, source, name, shard_id)
             expected.discard(f"{module_name}.{param}")
+        for i, names in moe_names.items():
+            self.layers[i].mlp.load_weights(source, names)
+            expected -= {f"layers.{i}.mlp.{n}" for n, _ in self.layers[i].mlp.named_parameters()}
         if skipped_mtp:
             logger.info("skipped the checkpoint's multi-token-prediction layers %s", sorted(skipped_mtp))
         if expected:

@@ -1,0 +1,33 @@
+"""GLM-5 (MLA + MoE + DSA) under tensor parallelism: TP=2 — attention and indexer heads split,
+experts placed whole on ranks — gives the greedy tokens of TP=1, colocated and PD."""
+from __future__ import annotations
+
+import pytest
+
+from .conftest import pool_full, start_worker, wait_for
+from .test_tp import assert_equal_greedy, reference, run_all
+
+# longer than index_topk (16), so the top-k choice and the transferred index keys matter
+PROMPTS = [[5, 17, 99, 4, 8, 150, 33, 71, 12, 9, 200, 3, 3, 8, 61, 7, 12, 40, 41, 42, 90],
+           list(range(10, 50)), [42] * 9, [1, 2, 3]]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_glm5_tp2_equals_tp1(deepseek_dir):
+    model = deepseek_dir("glm-5")
+    ref = reference(model, PROMPTS)
+    both = start_worker("both", model, "--tp", "2", "--check-divergence", "4")
+    try:
+        assert_equal_greedy(model, PROMPTS, run_all(None, both, PROMPTS), ref)
+        assert both.get("/health").status_code == 200  # no divergence between the ranks
+    finally:
+        both.stop()
+    prefill = start_worker("prefill", model, "--tp", "2")
+    decode = start_worker("decode", model, "--tp", "2")
+    try:
+        assert_equal_greedy(model, PROMPTS, run_all(prefill, decode, PROMPTS), ref)
+        wait_for(lambda: pool_full(prefill) and pool_full(decode), 20, "pools full")
+    finally:
+        prefill.stop()
+        decode.stop()
