@@ -98,38 +98,50 @@ class MLAttention(nn.Module):
         if self.indexer is not None:
             masks = self.indexer(x, q_latent, positions, cache, slots, seqs)
         out = x.new_empty(t, self.heads, d.v_head_dim)
+        decode = []
         for i, s in enumerate(seqs):
-            ctx = latents[s.context_slots]
             mask = s.causal if masks is None else masks[i]
-            attend = self._absorbed if s.queries.stop - s.queries.start == 1 else self._expanded
-            out[s.queries] = attend(q_nope[s.queries], q_rot[s.queries], ctx, mask)
+            if s.queries.stop - s.queries.start == 1:
+                decode.append((s, mask))
+            else:
+                out[s.queries] = self._expanded(q_nope[s.queries], q_rot[s.queries], latents[s.context_slots], mask)
+        if decode:
+            rows = torch.tensor([s.queries.start for s, _ in decode], device=x.device)
+            out[rows] = self._absorbed(q_nope[rows], q_rot[rows], [(latents[s.context_slots], m) for s, m in decode])
         return self.o_proj(out.flatten(1)), masks
 
-    def _scores_to_probs(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _probs(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Softmax over the context of `scores` `[heads, queries, context]` where `mask` allows."""
         scores = scores.float().masked_fill(~mask[None], float("-inf")) * self.scale
         return torch.softmax(scores, dim=-1)
 
     def _expanded(self, q_nope: torch.Tensor, q_rot: torch.Tensor, ctx: torch.Tensor,
                   mask: torch.Tensor) -> torch.Tensor:
+        """One sequence's queries `[n, heads, ...]` over its context latents `[c, latent]`."""
         d = self.d
         c, k_rot = ctx.split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
         kv = self.kv_b_proj(c.to(q_nope.dtype)).view(-1, self.heads, d.qk_nope_head_dim + d.v_head_dim)
         k_nope, v = kv.split([d.qk_nope_head_dim, d.v_head_dim], dim=-1)
         scores = (torch.einsum("nhd,chd->hnc", q_nope, k_nope)
                   + torch.einsum("nhr,cr->hnc", q_rot, k_rot.to(q_rot.dtype)))
-        probs = self._scores_to_probs(scores, mask).to(v.dtype)
+        probs = self._probs(scores, mask).to(v.dtype)
         return torch.einsum("hnc,chv->nhv", probs, v)
 
-    def _absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, ctx: torch.Tensor,
-                  mask: torch.Tensor) -> torch.Tensor:
+    def _absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor,
+                  contexts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """One query per sequence (`[seqs, heads, ...]`), each over its own cached latents.
+
+        The absorption matmuls run once for all sequences; per sequence, the query in latent
+        space `[heads, kv_lora + rope]` meets the cached rows `[c, kv_lora + rope]` as they are."""
         d = self.d
-        w = self.kv_b_weight()
-        w_uk, w_uv = w.split([d.qk_nope_head_dim, d.v_head_dim], dim=1)
-        c, k_rot = ctx.to(q_nope.dtype).split([d.kv_lora_rank, d.qk_rope_head_dim], dim=-1)
-        q_latent = torch.einsum("nhd,hdl->nhl", q_nope, w_uk)
-        scores = torch.einsum("nhl,cl->hnc", q_latent, c) + torch.einsum("nhr,cr->hnc", q_rot, k_rot)
-        probs = self._scores_to_probs(scores, mask).to(c.dtype)
-        return torch.einsum("nhl,hvl->nhv", torch.einsum("hnc,cl->nhl", probs, c), w_uv)
+        w_uk, w_uv = self.kv_b_weight().split([d.qk_nope_head_dim, d.v_head_dim], dim=1)
+        q = torch.cat((torch.einsum("nhd,hdl->nhl", q_nope, w_uk), q_rot), dim=-1)
+        o_latent = q.new_empty(q.shape[0], self.heads, d.kv_lora_rank)
+        for j, (ctx, mask) in enumerate(contexts):
+            ctx = ctx.to(q.dtype)
+            probs = self._probs((q[j] @ ctx.T)[:, None, :], mask)[:, 0].to(q.dtype)  # [heads, c]
+            o_latent[j] = probs @ ctx[:, :d.kv_lora_rank]
+        return torch.einsum("nhl,hvl->nhv", o_latent, w_uv)
 
     def kv_b_weight(self) -> torch.Tensor:
         """kv_b_proj as a dense `[heads, nope + v, kv_lora]` matrix, whatever its LinearMethod:
