@@ -13,6 +13,10 @@ DSA = dict(index_topk=16, index_head_dim=32, index_n_heads=8)
 DEEPSEEK_KINDS = {  # name → (config class name, extra config)
     "deepseek-v3": ("DeepseekV3Config", dict(n_group=4, topk_group=2)),
     "deepseek-v3.2": ("DeepseekV32Config", dict(DSA, n_group=4, topk_group=2)),
+    # V3 as published: YaRN rope scaling (mscale on cos/sin and the softmax scale); and no q LoRA
+    "deepseek-v3-yarn": ("DeepseekV3Config", dict(n_group=4, topk_group=2, q_lora_rank=None, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 0.707, "original_max_position_embeddings": 16})),
     "glm-5": ("GlmMoeDsaConfig", dict(DSA)),
     "glm-5-shared": ("GlmMoeDsaConfig", dict(DSA, index_topk_pattern="FSF")),
 }

@@ -51,12 +51,15 @@ def test_sparsity_matters(deepseek_dir, all_logits, tmp_path):
 @pytest.mark.parametrize("kind", ["deepseek-v3", "glm-5-shared"])
 def test_absorbed_decode_equals_full_recompute(deepseek_dir, all_logits, kind):
     """Token by token (absorbed MLA on cached latents, one query per step) and in chunks of 5
-    (expanded MLA over cached latents) equal one pass over the whole sequence."""
-    model = load_model(deepseek_dir(kind))
+    (expanded MLA over cached latents) equal one pass over the whole sequence, and transformers."""
+    path = deepseek_dir(kind)
+    model = load_model(path)
     ids = random_ids(40, seed=3)
     whole = all_logits(model, ids)
     for chunk in (1, 5):
         assert (all_logits(model, ids, chunk=chunk) - whole).abs().max() < 1e-5
+    # and transformers' recompute of the whole sequence at once, no cache involved
+    assert (all_logits(model, ids, chunk=1) - reference_logits(path, ids)).abs().max() < 1e-4
 
 
 def engine_greedy(path: str, prompts: list[list[int]], n: int, index_dtype: str) -> list[list[int]]:
@@ -125,3 +128,25 @@ def test_index_key_dtypes_against_fp32(deepseek_dir, all_logits, tmp_path, recor
     assert report["bfloat16"]["topk_overlap"] > report["fp8"]["topk_overlap"]
     assert report["bfloat16"]["topk_overlap"] > 0.97
     assert report["bfloat16"]["mean_logit_diff"] < report["fp8"]["mean_logit_diff"]
+
+
+def test_checkpoint_mtp_layers_are_skipped(deepseek_dir, all_logits, tmp_path, caplog):
+    """A checkpoint with a multi-token-prediction layer after the last one (as the published
+    DeepSeek-V3 and GLM-5 checkpoints have) loads, skips it with a log line, and computes the same."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = deepseek_dir("glm-5")
+    shutil.copytree(src, tmp_path, dirs_exist_ok=True)
+    tensors = load_file(f"{src}/model.safetensors")
+    mtp = {k.replace("model.layers.2.", "model.layers.3."): v.clone() for k, v in tensors.items()
+           if k.startswith("model.layers.2.")}
+    mtp["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    mtp["model.layers.3.shared_head.head.weight"] = torch.zeros(256, 64)
+    save_file({**tensors, **mtp}, f"{tmp_path}/model.safetensors", metadata={"format": "pt"})
+    ids = random_ids(30)
+    with caplog.at_level("INFO", logger="pdserve.models.deepseek"):
+        ours = all_logits(load_model(str(tmp_path)), ids)
+    assert "multi-token-prediction layers [3]" in caplog.text
+    assert torch.equal(ours, all_logits(load_model(src), ids))
