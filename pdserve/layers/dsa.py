@@ -4,7 +4,8 @@ For query t and past token s the indexer scores  Σ_h w[t,h] · relu(q[t,h] · k
 with its own small projections (per-head queries from the query latent, one key per token), and
 attention keeps the `index_topk` best-scoring tokens at or before t. The keys are cached per
 token beside the MLA latent (`index_k`): in bf16 by default — keeping them in fp8 loses recall
-on long contexts — or in fp8 e4m3 with one fp32 scale per token (`index_k_scale`).
+on long contexts — or, as DeepSeek's reference kernels do, in fp8 e4m3 with one fp32 scale per
+token (`index_k_scale`), Hadamard-rotated, scored against fp8 queries.
 
 Index heads are split across TP ranks; each rank sums its heads' scores and one all_reduce per
 layer (all sequences of the step together) gives every rank the same scores, hence the same
@@ -36,13 +37,27 @@ def index_cache_spec(head_dim: int, dtype: torch.dtype) -> list[CacheTensorSpec]
     return specs
 
 
+def fp8_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 values and one fp32 scale per row of the last dim (x ≈ values · scale)."""
+    scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (x.float() / scale).to(torch.float8_e4m3fn), scale
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The orthonormal n×n Hadamard matrix (n a power of two), Sylvester's construction."""
+    if n & (n - 1):
+        raise ValueError(f"fp8 index keys need a power-of-two index_head_dim, not {n}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h / n ** 0.5
+
+
 def store_index_keys(cache: dict[str, torch.Tensor], k: torch.Tensor, slots: torch.Tensor) -> None:
-    """Write keys `[T, D]` to their slots, quantizing to the cache's dtype."""
+    """Write keys `[T, D]` to their slots in the cache's dtype (fp8: values and scales)."""
     keys = cache["index_k"].view(-1, k.shape[-1])
     if keys.dtype == torch.float8_e4m3fn:
-        scale = k.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-        keys[slots] = (k.float() / scale).to(torch.float8_e4m3fn)
-        cache["index_k_scale"].view(-1, 1)[slots] = scale
+        keys[slots], cache["index_k_scale"].view(-1, 1)[slots] = fp8_quantize(k)
     else:
         keys[slots] = k.to(keys.dtype)
 
@@ -74,6 +89,12 @@ class Indexer(nn.Module):
         self.weights_proj = ColumnParallelLinear(hidden_size, n_heads, tp=tp,
                                                  method=linear_method(quant, [f"{prefix}.weights_proj"]))
         self.rotary = rotary
+        self._h: torch.Tensor | None = None
+
+    def _hadamard(self) -> torch.Tensor:
+        if self._h is None:
+            self._h = hadamard(self.head_dim)
+        return self._h
 
     def forward(self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
                 cache: dict[str, torch.Tensor], slots: torch.Tensor, seqs: list[SeqSpan]
@@ -87,6 +108,12 @@ class Indexer(nn.Module):
         q_rot, k_rot = self.rotary(positions, q[..., :r], k[..., :r])
         q = torch.cat((q_rot, q[..., r:]), dim=-1).float()
         k = torch.cat((k_rot, k[..., r:]), dim=-1).view(t, self.head_dim)
+        if cache["index_k"].dtype == torch.float8_e4m3fn:
+            # as DeepSeek's fp8 indexer: rotate q and k by a Hadamard matrix (dot products are
+            # unchanged, outliers spread over all dims) and score fp8 queries against fp8 keys
+            h = self._hadamard()
+            q_fp8, q_scale = fp8_quantize(q @ h)
+            q, k = q_fp8.float() * q_scale, k.float() @ h
         store_index_keys(cache, k, slots)
         weights = self.weights_proj(x).float() * (self.n_heads ** -0.5 * self.head_dim ** -0.5)
         partial = []
