@@ -34,11 +34,12 @@ from typing import IO
 
 import httpx
 
-from pdserve.frontend.cli import quiet_http_logs, resolve_model_dir, router_config
+from pdserve.frontend.cli import MULTI_NODE_FLAGS, quiet_http_logs, resolve_model_dir, router_config
 from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.output import check_output_profile
 from pdserve.parsers import ProfileError
 from pdserve.logs import setup_logging
+from pdserve.model_name import served_name
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +87,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def worker_commands(args: argparse.Namespace, model_dir: Path) -> list[tuple[str, list[str], str]]:
-    """(name, command, URL) of each worker for --mode pd (prefill, decode) or colocated (one)."""
+    """(name, command, URL) of each worker for --mode pd (prefill, decode) or colocated (one).
+    The workers label their metrics with the router's served model name."""
+    refused = [a for a in args.worker_arg if a.split("=", 1)[0] in MULTI_NODE_FLAGS]
+    if refused:
+        raise StartupError(f"--worker-arg {refused[0]}: `pdserve serve` runs every worker on this machine; "
+                           "start multi-node TP groups with `pdserve prefill | decode | worker --nnodes ...`")
+    name_flags = ["--served-model-name", served_name(args.model, args.served_model_name)[0]]
     roles = [("prefill", ["prefill"]), ("decode", ["decode"])] if args.mode == "pd" else \
         [("worker", ["worker", "--role", "both"])]
     head = [sys.executable, "-m", "pdserve.cli"]
@@ -96,7 +103,7 @@ def worker_commands(args: argparse.Namespace, model_dir: Path) -> list[tuple[str
     for name, role_args in roles:
         port = free_port()
         cmd = [*head, *role_args, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-               "--worker-id", f"{name}-{port}", "--exit-with-parent", *engine_flags(args),
+               "--worker-id", f"{name}-{port}", "--exit-with-parent", *name_flags, *engine_flags(args),
                *lifecycle_flags(args), *args.worker_arg]
         out.append((name, cmd, f"http://127.0.0.1:{port}"))
     return out

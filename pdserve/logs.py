@@ -2,8 +2,10 @@
 
 Every record made while a request is being served carries its X-Request-Id: the router's
 middleware sets `REQUEST_ID` for the request's task, and tasks it starts (choices, aborts)
-inherit it, so no log call has to pass the id along. Text lines get it as a ``[id]`` prefix
-(unless the message names it already); JSON lines as ``request_id``.
+inherit it, so no log call has to pass the id along; the worker's API does the same with the
+X-Request-Id the router sends (the room id). Code outside a request's context (the scheduler
+thread, transfer agents, TP ranks) passes ``extra=about(id)``. Text lines get it as a ``[id]``
+prefix (unless the message names it already); JSON lines as ``request_id``.
 """
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ class RequestIdFilter(logging.Filter):
 
 
 class TextFormatter(logging.Formatter):
-    def __init__(self) -> None:
-        super().__init__(TEXT_FORMAT)
+    def __init__(self, fmt: str = TEXT_FORMAT) -> None:
+        super().__init__(fmt)
 
     def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
         rid = getattr(record, "request_id", None)
@@ -64,14 +66,21 @@ class JSONFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False, default=str)
 
 
-def setup_logging(json_logs: bool, component: str, level: int | str | None = None) -> None:
+def about(request_id: str) -> dict[str, str]:
+    """`extra=` of a log call about one request (or its room: same id) made where no request
+    context is set (the scheduler thread, a TP rank), so the record carries the id all the same."""
+    return {"request_id": request_id}
+
+
+def setup_logging(json_logs: bool, component: str, level: int | str | None = None,
+                  text_format: str = TEXT_FORMAT) -> None:
     """One stderr handler on the root logger (replacing any), text or JSON. `level`: keep the
     root logger's when None. Libraries' loggers (uvicorn, httpx) propagate to it."""
     root = logging.getLogger()
     if level is not None:
         root.setLevel(level.upper() if isinstance(level, str) else level)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JSONFormatter(component) if json_logs else TextFormatter())
+    handler.setFormatter(JSONFormatter(component) if json_logs else TextFormatter(text_format))
     handler.addFilter(RequestIdFilter())
     for old in list(root.handlers):
         root.removeHandler(old)

@@ -8,13 +8,20 @@ import torch.distributed as dist
 
 from .comm import GroupComm
 from .group import TPGroup
+from .layout import LOOPBACK
 from .trace import CollectiveTrace
 
 
 def init_tp(rank: int, size: int, port: int, device: str = "cpu", timeout_s: float = 60.0,
-            trace: CollectiveTrace | None = None) -> tuple[TPGroup, GroupComm]:
-    """Join the TP group of `size` ranks rendezvousing on 127.0.0.1:`port`."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+            trace: CollectiveTrace | None = None, host: str = LOOPBACK,
+            init_timeout_s: float | None = None) -> tuple[TPGroup, GroupComm]:
+    """Join the TP group of `size` ranks rendezvousing on `host`:`port` (rank 0 listens there,
+    on every interface). Ranks wait up to `init_timeout_s` (default `timeout_s`) for each other:
+    on several machines they start at different times; every collective after that gives up
+    after `timeout_s`."""
+    wait = timedelta(seconds=timeout_s if init_timeout_s is None else init_timeout_s)
+    store = dist.TCPStore(host, port, size, is_master=rank == 0, timeout=wait)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
     backend = "nccl" if device.startswith("cuda") else "gloo"
     model_group = dist.new_group(backend=backend) if backend != "gloo" else dist.group.WORLD

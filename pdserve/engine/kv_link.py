@@ -9,6 +9,7 @@ import json
 import logging
 
 from pdserve.engine.sequence import Sequence, TokenLogprobs
+from pdserve.logs import about
 from pdserve.scheduler.plan import SampledToken, StepOutput, StepPlan, TransferOutcome
 from pdserve.transfer import (Fenced, RoomAborted, RoomDone, RoomFailed, RoomWritten, TransferSource,
                               TransferTarget, agent_name)
@@ -87,7 +88,7 @@ class KVLink:
             ok = self.agent.write(rid, name, blocks, peer["blocks"],
                                   encode_first_token(SampledToken(rid, out.token_id, out.logprobs)))
         except Exception as e:  # a transport or layout error fails this room, never the loop
-            logger.warning("room %s: cannot write KV to the decode worker: %s", rid, e)
+            logger.warning("room %s: cannot write KV to the decode worker: %s", rid, e, extra=about(rid))
             return self._fail(rid, str(e))
         if not ok:
             self._fail(rid, "the room ended before its KV was sent")

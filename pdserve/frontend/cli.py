@@ -63,8 +63,22 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "e.g. --worker-arg=--health-stall-timeout=30")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds to wait for the workers to be ready")
+    for flag in MULTI_NODE_FLAGS:
+        p.add_argument(flag, action=_WorkersOnly, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_serve)
     return p
+
+
+MULTI_NODE_FLAGS = ("--nnodes", "--node-rank", "--dist-init-addr")
+
+
+class _WorkersOnly(argparse.Action):
+    """A multi-node flag given to `serve`: refused with a message that says where it belongs."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} is a flag of `pdserve prefill | decode | worker`: `pdserve serve` runs "
+                     "every worker on this machine; start each node of a multi-node TP group with those "
+                     "commands (README: Tensor parallelism, Several machines)")
 
 
 def _model_flags(p: argparse.ArgumentParser) -> None:

@@ -4,8 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-DEFAULT_MODEL_ALIASES = ("", "default")
+from pdserve.model_name import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, served_name  # noqa: F401 - re-exported
 
 
 @dataclass
@@ -50,11 +49,3 @@ class RouterConfig:
     def model_names(self) -> frozenset[str]:
         return frozenset((self.served_model_name, *self.aliases))
 
-
-def served_name(model: str | None, explicit: str | None = None) -> tuple[str, tuple[str, ...]]:
-    """(name, aliases) for a ``--model`` value: the default model is SmolLM2-135M-Instruct."""
-    if explicit:
-        return explicit, tuple(a for a in (model,) if a and a != explicit)
-    if model is None or model in DEFAULT_MODEL_ALIASES:
-        return DEFAULT_MODEL_NAME, ("default",)
-    return model, (Path(model).name,) if Path(model).name != model else ()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.sequence import Sequence, SequenceStatus
 from pdserve.kvcache import BlockAllocator
+from pdserve.logs import about
 
 from .plan import (Inbox, NewRequest, SampledToken, ScheduledChunk, StepOutput, StepPlan,
                    TransferOutcome)
@@ -213,7 +214,7 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
             self.num_preemptions += 1
-            logger.info("request %s preempted (recompute later)", rid)
+            logger.info("request %s preempted (recompute later)", rid, extra=about(rid))
         batch = []
         for chunk in plan.batch:
             seq = self.seqs[chunk.request_id]

@@ -14,6 +14,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
+from pdserve.logs import about
+
 from .base import TransferConfig, TransferSource
 from .bootstrap import BootstrapInfo
 from .events import Fenced, PeerDead, RoomAborted, RoomFailed, RoomWritten, SourceEvent
@@ -190,7 +192,7 @@ class NixlSource(TransferSource):
     def _after_failure(self, room: str, reason: str) -> None:
         """A room failed here: report it, tell the target, fence it if no write is in flight."""
         self._events.append(RoomFailed(room, reason))
-        logger.warning("%s: room %s failed: %s", self.name, room, reason)
+        logger.warning("%s: room %s failed: %s", self.name, room, reason, extra=about(room))
         rec = self.rooms.get(room)
         if rec is not None and rec.peer is not None:
             self._send(rec.peer, Fail(room, reason))

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, NamedTuple
 
+from pdserve.logs import about
+
 logger = logging.getLogger(__name__)
 
 
@@ -262,6 +264,7 @@ class RoomTable:
         else:
             key = f"illegal_{state.value}_{event.value}"
             logger.warning("room %s: illegal %s in state %s (ignored)", room, event.value,
-                           state.value)
+                           state.value, extra=about(room))
         self.counters[key] += 1
-        logger.debug("room %s: %s %s in state %s", room, outcome.value, event.value, state.value)
+        logger.debug("room %s: %s %s in state %s", room, outcome.value, event.value, state.value,
+                     extra=about(room))

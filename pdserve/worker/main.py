@@ -1,4 +1,5 @@
-"""`pdserve prefill | decode | worker`: start a worker and serve its internal API."""
+"""`pdserve prefill | decode | worker`: start a worker and serve its internal API; on nodes
+1..K-1 of a multi-node TP group, run that node's ranks (follower.py)."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +12,8 @@ import time
 
 import uvicorn
 
-from pdserve.logs import setup_logging
+from pdserve.logs import about, setup_logging
+from pdserve.model_name import served_name
 
 from .server import build_app
 from .worker import Worker, WorkerSettings
@@ -27,7 +29,20 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="/health answers 503 when the scheduler loop made no step for this many seconds")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may finish before they are aborted")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker (processes)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks of this worker (processes), on all its nodes together")
+    m = p.add_argument_group("multi-node TP (one TP group over several machines or pods)")
+    m.add_argument("--nnodes", type=int, default=1, metavar="K",
+                   help="machines the TP group spans; each runs --tp/K ranks (default 1: this one)")
+    m.add_argument("--node-rank", type=int, default=0, metavar="R",
+                   help="this machine's index, 0 .. K-1. Node 0 holds rank 0 and serves the worker API; "
+                        "the others serve only /health and /ready, and follow node 0")
+    m.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                   help="where node 0's rank 0 listens for the group's rendezvous (every interface, at "
+                        "PORT); needed with --nnodes > 1 (default: a free loopback port)")
+    m.add_argument("--dist-init-timeout", type=float, default=None, metavar="S",
+                   help="how long ranks wait for each other at start-up (default: --collective-timeout; "
+                        "machines that start at different times need more)")
     p.add_argument("--check-divergence", type=int, default=0, metavar="K",
                    help="every K steps, compare the TP ranks' scheduler-state digests and stop the "
                         "worker with an error naming the first differing field (0: off)")
@@ -36,6 +51,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-with-parent", action="store_true",
                    help="exit when the parent process dies (used by `pdserve serve`)")
     p.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model_name label of this worker's metrics: give the router's (default: "
+                        "as the router derives it from --model)")
 
 
 class DrainingServer(uvicorn.Server):
@@ -61,7 +79,7 @@ class DrainingServer(uvicorn.Server):
         while w.in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
         for rid in w.in_flight_ids():
-            logger.info("request %s: aborted by the drain timeout", rid)
+            logger.info("request %s: not finished at the drain timeout", rid, extra=about(rid))
             w.abort(rid, "abort", origin="drain")
         deadline = time.monotonic() + 5.0
         while w.in_flight() and time.monotonic() < deadline:
@@ -69,28 +87,47 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def worker_settings(args: argparse.Namespace, role: str) -> WorkerSettings:
+    """The flags as settings; ValueError names the flags that do not fit together."""
+    root = logging.getLogger().getEffectiveLevel()
+    return WorkerSettings(
+        role, args.worker_id, args.health_stall_timeout, args.drain_timeout, args.tp, args.check_divergence,
+        args.collective_timeout, nnodes=args.nnodes, node_rank=args.node_rank,
+        dist_init_addr=args.dist_init_addr, dist_init_timeout=args.dist_init_timeout,
+        log_json=getattr(args, "log_json", False),
+        rank_log_level="DEBUG" if root <= logging.DEBUG else "WARNING")
+
+
 def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
+    try:
+        settings = worker_settings(args, role)
+    except ValueError as e:
+        print(f"pdserve {getattr(args, 'command', role)}: error: {e}", file=sys.stderr)
+        return 2
     if args.exit_with_parent and sys.platform.startswith("linux"):
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    json_logs = getattr(args, "log_json", False)
-    if json_logs:  # uvicorn's loggers too: they propagate to ours
-        setup_logging(True, role)
-    settings = WorkerSettings(role, args.worker_id, args.health_stall_timeout, args.drain_timeout,
-                              args.tp, args.check_divergence, args.collective_timeout)
+    json_logs = settings.log_json
+    # text or JSON, records about a request carry its id; with JSON, uvicorn's too (they propagate)
+    setup_logging(json_logs, role if settings.layout.leader else f"{role}-tp{settings.layout.first}")
+    if not settings.layout.leader:
+        from .follower import run_follower
+
+        return run_follower(settings, engine_config, args.host, args.port)
+    model_name, _ = served_name(args.model, args.served_model_name)
     server: uvicorn.Server | None = None
 
     def fatal() -> None:  # a dead rank or a divergence: the whole worker goes down
         if server is not None:
             server.should_exit = True
 
-    worker = Worker(engine_config, settings, on_fatal=fatal, model_name=str(args.model or "default"))
+    worker = Worker(engine_config, settings, on_fatal=fatal, model_name=model_name)
     worker.start()
-    app = build_app(worker, str(args.model or "default"))
+    app = build_app(worker, model_name)
     server = DrainingServer(worker, uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                    access_log=False,
                                                    log_config=None if json_logs else uvicorn.config.LOGGING_CONFIG))
-    logger.info("%s worker %s (tp=%d) listening on http://%s:%d", role, settings.worker_id, settings.tp,
-                args.host, args.port)
+    logger.info("%s worker %s (tp=%d, %d node(s)) listening on http://%s:%d", role, worker.settings.worker_id,
+                settings.tp, settings.nnodes, args.host, args.port)
     try:
         server.run()
     finally:

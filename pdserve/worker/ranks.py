@@ -1,7 +1,9 @@
-"""TP ranks 1..N-1 of a worker: child processes that follow rank 0's plans and serve nothing.
+"""The TP ranks a worker's node runs besides its main process: child processes that follow
+rank 0's plans and serve nothing.
 
 They exit when rank 0's plan says shut down, when a collective fails (a peer died), or when
-their parent dies (PDEATHSIG), so no rank is ever left waiting in a collective.
+their parent dies (PDEATHSIG), so no rank is ever left waiting in a collective. `run_rank` is
+also the loop of a follower node's main process (follower.py).
 """
 from __future__ import annotations
 
@@ -11,6 +13,9 @@ import multiprocessing as mp
 import signal
 import socket
 import sys
+from collections.abc import Callable
+
+from pdserve.logs import setup_logging
 
 logger = logging.getLogger(__name__)
 
@@ -21,10 +26,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(size: int, port: int, engine_config, settings) -> list[mp.Process]:
+def spawn_ranks(ranks: range, engine_config, settings) -> list[mp.Process]:
+    """Start `ranks` (global TP ranks) as child processes of this node's main process."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(rank, size, port, engine_config, settings),
-                         name=f"pdserve-tp{rank}", daemon=False) for rank in range(1, size)]
+    procs = [ctx.Process(target=rank_main, args=(rank, engine_config, settings),
+                         name=f"pdserve-tp{rank}", daemon=False) for rank in ranks]
     for p in procs:
         p.start()
     return procs
@@ -44,6 +50,19 @@ def make_agent(role: str, worker_id: str, rank: int, engine):
     return agent
 
 
+def group_worker_id(comm, worker_id: str) -> str:
+    """Rank 0's worker id, on every rank. The transfer agents of all ranks are named after it
+    (peers derive rank i's agent name from the worker id they know), and pods of a multi-node
+    group each have their own --worker-id."""
+    import torch.distributed as dist
+
+    if comm.size == 1:
+        return worker_id
+    box = [worker_id if comm.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=comm.group)
+    return str(box[0])
+
+
 def share_bootstrap(comm, agent) -> list[str] | None:
     """Rank 0 gets every rank's transfer bootstrap (decode workers publish them)."""
     import torch.distributed as dist
@@ -56,34 +75,44 @@ def share_bootstrap(comm, agent) -> list[str] | None:
     return out
 
 
-def rank_main(rank: int, size: int, port: int, engine_config, settings) -> None:
+def rank_main(rank: int, engine_config, settings) -> None:
+    """A child process: one TP rank of this node."""
     if sys.platform.startswith("linux"):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # die with rank 0
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # die with the node's main process
     # a signal to the whole process group is rank 0's to handle: it drains, then its plan
     # tells every rank to stop; a rank that died on SIGTERM would break that shutdown
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
+    setup_logging(settings.log_json, f"{settings.role}-tp{rank}", settings.rank_log_level,
+                  f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
+    sys.exit(run_rank(rank, engine_config, settings))
+
+
+def run_rank(rank: int, engine_config, settings, on_step: Callable[[], None] = lambda: None) -> int:
+    """Join the group, load this rank's shard, then follow rank 0's plans until one says shut
+    down (0) or a collective fails (1). `on_step` runs after every step (the follower's health)."""
     from pdserve.distributed.groups import init_tp
     from pdserve.engine.llm_engine import LLMEngine
 
     from .hooks import TestHooks
 
-    tp, comm = init_tp(rank, size, port, engine_config.device, timeout_s=settings.collective_timeout)
+    host, port = settings.rendezvous
+    tp, comm = init_tp(rank, settings.tp, port, engine_config.device, settings.collective_timeout,
+                       host=host, init_timeout_s=settings.dist_init_timeout)
     kv = {"both": "local", "prefill": "prefill", "decode": "decode"}[settings.role]
     engine = LLMEngine(engine_config, kv, tp, comm, digest_every=settings.check_divergence)
-    agent = make_agent(settings.role, settings.worker_id, rank, engine)
+    agent = make_agent(settings.role, group_worker_id(comm, settings.worker_id), rank, engine)
     TestHooks.from_env(rank).install(engine)
     share_bootstrap(comm, agent)
     try:
         while True:
             plan, _ = engine.step()
+            on_step()
             if plan.shutdown:
-                break
+                return 0
     except Exception as e:  # a peer died mid-collective: exit, never wait
         logger.error("rank %d stops: %s", rank, e)
-        sys.exit(1)
+        return 1
     finally:
         if agent is not None:
             agent.close()

@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field, ValidationError
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.metrics import CONTENT_TYPE
+from pdserve.logs import REQUEST_ID, about
+from pdserve.metrics import ABORT_ORIGINS, CONTENT_TYPE
 from pdserve.scheduler.plan import StepOutput
 
 from .worker import Worker
@@ -42,6 +43,31 @@ class PrefillBody(BaseModel):
     decode: DecodeTarget
 
 
+class AbortBody(BaseModel):
+    request_id: str = Field(min_length=1, max_length=256)
+    origin: str = "router"  # who asked (pdserve.metrics.ABORT_ORIGINS); older routers send none
+
+
+class RequestIdContext:
+    """Every log record made while serving a call that carries X-Request-Id (the router sends
+    the request's room id) carries that id, as the router's own records do."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        rid = None
+        if scope["type"] == "http":
+            rid = next((v.decode("latin-1")[:256] for k, v in scope["headers"] if k == b"x-request-id"), None)
+        if not rid:
+            return await self.app(scope, receive, send)
+        token = REQUEST_ID.set(rid)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            REQUEST_ID.reset(token)
+
+
 def sampling_params(d: dict) -> SamplingParams:
     d = dict(d)
     if "logit_bias" in d and d["logit_bias"]:
@@ -62,6 +88,7 @@ def output_line(out: StepOutput) -> dict:
 
 def build_app(worker: Worker, model_name: str) -> FastAPI:
     app = FastAPI(title=f"pdserve {worker.settings.role} worker")
+    app.add_middleware(RequestIdContext)
     engine = worker.engine
     role = worker.settings.role
     http = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
@@ -124,12 +151,13 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
 
     @app.post("/abort")
     async def abort(request: Request):
-        try:
-            rid = str(json.loads(await request.body())["request_id"])
-        except (ValueError, KeyError, TypeError):
-            return error(400, "body must be {\"request_id\": str}")
-        worker.abort(rid)
-        return {"ok": True}
+        body, err = await parse(request, AbortBody)
+        if err:
+            return error(400, 'body must be {"request_id": str, "origin": str (optional)}')
+        if body.origin not in ABORT_ORIGINS:
+            return error(400, f"unknown abort origin {body.origin!r}; one of {', '.join(ABORT_ORIGINS)}")
+        # idempotent: an unknown or finished request is fine and counts nothing (aborts.py)
+        return {"ok": True, "aborted": worker.abort(body.request_id, origin=body.origin)}
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -166,8 +194,7 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
         finally:
             w.release(rid)
             if not finished:  # the client went away: free its blocks now
-                logger.info("request %s: client disconnected, aborting", rid)
-                w.abort(rid, origin="client")
+                w.reader_left(rid)
 
     @app.post("/prefill")
     async def prefill(request: Request):
@@ -187,13 +214,16 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
                 r.raise_for_status()
                 ranks = bootstraps[body.decode.worker_id] = r.json()["ranks"]
             if len(ranks) != worker.settings.tp:  # rank i writes to rank i: equal TP sizes only
-                return JSONResponse({"status": "failed", "error":
-                                     f"the decode worker has TP={len(ranks)} and this prefill worker "
-                                     f"TP={worker.settings.tp}; pdserve needs equal TP sizes"})
+                why = (f"the decode worker has TP={len(ranks)} and this prefill worker TP={worker.settings.tp}; "
+                       "pdserve needs equal TP sizes")
+                logger.warning("request %s: %s", rid, why, extra=about(rid))
+                return JSONResponse({"status": "failed", "error": why})
             q = worker.submit(rid, body.prompt_ids, params, {"bootstrap": ranks, "blocks": body.decode.blocks})
         except (TypeError, ValueError, KeyError) as e:
             return error(400, str(e))
         except httpx.HTTPError as e:
+            logger.warning("request %s: decode worker %s unreachable: %s", rid, body.decode.decode_url, e,
+                           extra=about(rid))
             return JSONResponse({"status": "failed", "error": f"decode worker unreachable: {e}"})
         done = False
         try:
@@ -210,7 +240,7 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
         finally:
             worker.release(rid)
             if not done:
-                worker.abort(rid)
+                worker.reader_left(rid)
 
     @app.on_event("shutdown")
     async def _close() -> None:

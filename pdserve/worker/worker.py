@@ -11,17 +11,20 @@ import logging
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.distributed.groups import init_tp
+from pdserve.distributed.layout import LOOPBACK, TPLayout, parse_addr
+from pdserve.logs import about
 from pdserve.metrics import WorkerMetrics
 from pdserve.scheduler.plan import StepOutput
 
+from .aborts import AbortLedger
 from .hooks import TestHooks
-from .ranks import free_port, make_agent, share_bootstrap, spawn_ranks
+from .ranks import free_port, group_worker_id, make_agent, share_bootstrap, spawn_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -34,15 +37,43 @@ class WorkerSettings:
     worker_id: str = ""
     health_stall_timeout: float = 10.0  # /health fails when the loop made no step for this long
     drain_timeout: float = 30.0
-    tp: int = 1
+    tp: int = 1                         # ranks of the whole TP group, on all its nodes
     check_divergence: int = 0           # compare the ranks' state digests every K steps (0: off)
     collective_timeout: float = 60.0
+    nnodes: int = 1                     # machines (pods) the TP group spans
+    node_rank: int = 0                  # this machine's index; 0 holds rank 0 and the API
+    dist_init_addr: str | None = None   # HOST:PORT of rank 0's rendezvous (None: a loopback port)
+    dist_init_timeout: float | None = None  # how long ranks wait for each other (None: collective_timeout)
+    log_json: bool = False
+    rank_log_level: str = "WARNING"     # child ranks repeat rank 0's INFO lines: they log less
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):
             raise ValueError(f"unknown worker role {self.role!r}")
+        TPLayout(self.tp, self.nnodes, self.node_rank)  # ValueError when they do not fit together
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (where node 0 "
+                             "listens for the other nodes' ranks)")
+        if self.dist_init_addr:
+            parse_addr(self.dist_init_addr)
         if not self.worker_id:
             self.worker_id = f"{socket.gethostname()}-{self.role}-{int(time.time() * 1000) % 10**8}"
+
+    @property
+    def layout(self) -> TPLayout:
+        return TPLayout(self.tp, self.nnodes, self.node_rank)
+
+    @property
+    def rendezvous(self) -> tuple[str, int]:
+        """(host, port) every rank of the group meets at; set by `with_rendezvous`."""
+        if not self.dist_init_addr:
+            raise ValueError("no rendezvous address: call with_rendezvous() first")
+        return parse_addr(self.dist_init_addr)
+
+    def with_rendezvous(self) -> WorkerSettings:
+        """These settings with a rendezvous address: --dist-init-addr, else a free loopback port
+        (every rank is a child of this process)."""
+        return self if self.dist_init_addr else replace(self, dist_init_addr=f"{LOOPBACK}:{free_port()}")
 
 
 @dataclass
@@ -58,18 +89,23 @@ class Worker:
 
     def __init__(self, engine_config: EngineConfig, settings: WorkerSettings, on_fatal=None,
                  model_name: str = "default"):
+        if not settings.layout.leader:
+            raise ValueError("a worker runs on node 0; other nodes run follower.run_follower")
         self.settings = settings
         self.metrics = WorkerMetrics(settings.role, model_name)
+        self.aborts = AbortLedger(self.metrics.aborted)
         self._stats: dict[str, _RequestStats] = {}
         self._agent_counts: dict[str, int] = {}
         self.on_fatal = on_fatal or (lambda: None)
         kv = {"both": "local", "prefill": "prefill", "decode": "decode"}[settings.role]
         tp = comm = None
         self.ranks = []
-        if settings.tp > 1:  # ranks 1..N-1 are child processes; this process is rank 0
-            port = free_port()
-            self.ranks = spawn_ranks(settings.tp, port, engine_config, settings)
-            tp, comm = init_tp(0, settings.tp, port, engine_config.device, settings.collective_timeout)
+        if settings.tp > 1:  # this process is rank 0; this node's other ranks are its children
+            self.settings = settings = settings.with_rendezvous()
+            self.ranks = spawn_ranks(settings.layout.children, engine_config, settings)
+            host, port = settings.rendezvous
+            tp, comm = init_tp(0, settings.tp, port, engine_config.device, settings.collective_timeout,
+                               host=host, init_timeout_s=settings.dist_init_timeout)
         self.engine = LLMEngine(engine_config, kv, tp, comm, digest_every=settings.check_divergence)
         self.agent = None  # made on the loop thread: a NIXL agent is used by one thread only
         self.bootstrap: list[str] | None = None
@@ -98,7 +134,8 @@ class Worker:
 
     def _run(self) -> None:
         try:
-            self.agent = make_agent(self.settings.role, self.settings.worker_id, 0, self.engine)
+            worker_id = group_worker_id(self.engine.comm, self.settings.worker_id)
+            self.agent = make_agent(self.settings.role, worker_id, 0, self.engine)
             self.bootstrap = share_bootstrap(self.engine.comm, self.agent)
             TestHooks.from_env(0).install(self.engine)
         except Exception as e:  # noqa: BLE001 - reported to start()
@@ -137,6 +174,7 @@ class Worker:
             self.last_step = now
             self.step_count += 1
             self.metrics.scheduler_step(self.engine.loop.step_s, self.engine.loop.agree_s)
+            self.aborts.sweep()
             if outputs:
                 self._count(outputs, now)
                 self._dispatch(outputs)
@@ -181,7 +219,15 @@ class Worker:
                 blocks = -(-st.prompt_tokens // self.engine.pool.block_size)
                 self.metrics.kv_transferred(now - st.write_at, blocks * bytes_per_block * self.settings.tp)
             if out.finish_reason and (out.token_id is None or out.finish_reason != "prefilled"):
-                del self._stats[out.request_id]
+                with self._lock:
+                    del self._stats[out.request_id]
+                self.aborts.finished(out.request_id)
+                if out.finish_reason == "error":
+                    logger.warning("request %s failed: %s", out.request_id, out.error,
+                                   extra=about(out.request_id))
+                else:
+                    logger.debug("request %s finished (%s) after %d tokens", out.request_id,
+                                 out.finish_reason, st.generated, extra=about(out.request_id))
                 reason = "abort" if out.finish_reason == "abort" else out.finish_reason
                 self.metrics.request_finished("length" if reason == "prefilled" else reason,
                                               prompt_tokens=st.prompt_tokens, generation_tokens=st.generated,
@@ -218,6 +264,8 @@ class Worker:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = (asyncio.get_running_loop(), q)
             self._stats[request_id] = _RequestStats(time.monotonic(), len(prompt_ids))
+        self.aborts.started(request_id)
+        logger.debug("request %s: %d prompt tokens", request_id, len(prompt_ids), extra=about(request_id))
         self.engine.add_request(request_id, prompt_ids, params, peer)
         self._wake.set()
         return q
@@ -227,10 +275,23 @@ class Worker:
         with self._lock:
             self._queues.pop(request_id, None)
 
-    def abort(self, request_id: str, reason: str = "abort", origin: str = "router") -> None:
-        if request_id in self._queues:
-            self.metrics.aborted(origin)
+    def abort(self, request_id: str, reason: str = "abort", origin: str = "router") -> bool:
+        """Abort a request for `origin` (idempotent). True when it was running here and this
+        call counted its abort (aborts.py)."""
+        counted = self.aborts.told(request_id, origin)
+        if counted:
+            logger.info("request %s: aborted (origin: %s)", request_id, origin, extra=about(request_id))
         self.engine.abort(request_id, reason)
+        self._wake.set()
+        return counted
+
+    def reader_left(self, request_id: str) -> None:
+        """The request's HTTP stream closed before its finish: abort it now; who asked is
+        counted when the router's /abort says (aborts.py)."""
+        if self.aborts.reader_left(request_id):
+            logger.info("request %s: its stream closed before the finish; aborting", request_id,
+                        extra=about(request_id))
+        self.engine.abort(request_id, "abort")
         self._wake.set()
 
     def in_flight(self) -> int:

@@ -268,8 +268,14 @@ def test_probes_startup_liveness_readiness(rendered, overlay: str) -> None:
     for p in pods(rendered[overlay]):
         c = p.container
         ports = {port["name"]: port["containerPort"] for port in c.get("ports", [])}
-        if p.which == "workerTemplate":  # LWS ranks of nodes > 0 serve no HTTP
-            assert "http" not in ports and not any(k.endswith("Probe") for k in c), p.name
+        if p.which == "workerTemplate":  # LWS nodes > 0: no worker API, only the follower's probes
+            assert ports == {"health": int(arg_value(c["args"], "--port"))}, p.name
+            assert c["startupProbe"]["httpGet"] == {"path": "/health", "port": "health"}, p.name
+            assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "health"}, p.name
+            assert c["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "health"}, p.name
+            live = c["livenessProbe"]
+            assert live["periodSeconds"] * live["failureThreshold"] <= 60, p.name
+            assert live["terminationGracePeriodSeconds"] <= 30
             continue
         assert all(port.get("name") for port in c["ports"]), p.name
         assert c["startupProbe"]["httpGet"]["port"] == "http"
@@ -384,24 +390,56 @@ def test_leaderworkerset_structure(rendered) -> None:
             "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']"
         assert {"name": "dist", "containerPort": 29500, "protocol": "TCP"} in leader["ports"]
         # Leader and workers differ only where they must.
-        same = {k: v for k, v in leader.items() if k not in ("args", "env", "ports") and "Probe" not in k}
-        assert same == {k: v for k, v in worker.items() if k not in ("args", "env", "ports")}
+        def same(c: dict) -> dict:
+            return {k: v for k, v in c.items() if k not in ("args", "env", "ports") and "Probe" not in k}
+        assert same(leader) == same(worker)
+        assert [a for a in leader["args"] if not a.startswith("--node-rank")] == \
+            [a for a in worker["args"] if not a.startswith("--node-rank")]
 
 
 # ---------------------------------------------------------------- the commands themselves
 
+def expand(args: list[str], env: dict[str, str]) -> list[str]:
+    """`$(VAR)` in container args as the kubelet expands them (unknown ones stay as they are)."""
+    return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), a) for a in args]
+
+
+def pod_env(pod: Pod, config: dict[str, str]) -> dict[str, str]:
+    """Example values of a pod's environment: the ConfigMap, the downward API, LeaderWorkerSet's."""
+    env = dict(config, POD_NAME=f"{pod.owner['metadata']['name']}-0", POD_IP="10.1.2.3")
+    if pod.owner["kind"] == "LeaderWorkerSet":
+        size = pod.owner["spec"]["leaderWorkerTemplate"]["size"]
+        env |= {"LWS_GROUP_SIZE": str(size), "LWS_WORKER_INDEX": str(size - 1), "NODE_RANK": str(size - 1),
+                "LWS_LEADER_ADDRESS": f"{pod.owner['metadata']['name']}-0.{pod.owner['metadata']['name']}.pdserve"}
+    return env
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_router_and_deployment_worker_args_parse_with_the_pdserve_cli(rendered, overlay: str) -> None:
-    """Every flag the manifests give exists (`pdserve.cli`'s own parser). LeaderWorkerSet pods
-    are left out: their multi-node flags (--nnodes, --node-rank, --dist-init-addr) are not
-    pdserve flags yet."""
+def test_every_pod_command_parses_with_the_pdserve_cli(rendered, overlay: str) -> None:
+    """Every flag the manifests give exists and their values fit together, as `pdserve.cli`'s own
+    parser and the workers' settings (TP size, nodes, node rank, rendezvous) see them once the
+    kubelet expanded the `$(VAR)`s; router and workers name the model alike, so their metrics
+    carry one `model_name`."""
     from pdserve.cli import build_parser
+    from pdserve.model_name import served_name
+    from pdserve.worker.main import worker_settings
 
     parser = build_parser()
-    checked = [p for p in pods(rendered[overlay]) if p.owner["kind"] == "Deployment"]
-    assert {p.role for p in checked} >= {"router"}
-    for p in checked:
-        args = parser.parse_args(p.container["args"])
+    config = env_config(rendered[overlay])
+    names = set()
+    for p in pods(rendered[overlay]):
+        args = parser.parse_args(expand(p.container["args"], pod_env(p, config)))
         assert args.command == p.role, p.name
+        names.add(served_name(args.model, args.served_model_name)[0])
         if p.role == "router":
             assert args.discover_prefill and args.discover_decode and args.log_json and args.drain_timeout > 0
+            continue
+        settings = worker_settings(args, p.role)
+        if p.owner["kind"] == "LeaderWorkerSet":
+            size = p.owner["spec"]["leaderWorkerTemplate"]["size"]
+            assert (settings.nnodes, settings.layout.leader) == (size, p.which == "leaderTemplate"), p.name
+            assert settings.layout.per_node == int(p.container["resources"]["limits"][GPU]), p.name
+            assert settings.rendezvous[1] == 29500 and settings.dist_init_timeout >= 600, p.name
+        else:
+            assert settings.nnodes == 1, p.name
+    assert len(names) == 1, names

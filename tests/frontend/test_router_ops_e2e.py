@@ -1,5 +1,6 @@
 """`pdserve serve --mode pd` operated as a deployment would be: the /metrics of the router and of
-both workers count exactly what a scripted workload did, and SIGTERM during 32 streams drains:
+both workers count exactly what a scripted workload did (aborts by the origin the router names,
+under one model_name label), and SIGTERM during 32 streams drains:
 new requests get 503, every stream ends with [DONE] or a clean error event within the drain
 timeout, the KV pools are full again, the process exits 0 and no worker process is left.
 
@@ -17,6 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.metrics import ABORT_ORIGINS
 
 from tests.frontend.conftest import start_server, stop_server
 
@@ -126,7 +129,24 @@ def test_metrics_of_router_and_workers_count_a_scripted_workload():
         assert value(r, "pdserve:num_requests_running", **ROUTER) == 0
         assert value(r, "pdserve:num_requests_waiting", **ROUTER) == 0
 
-        p, d = metrics(workers["prefill"]), metrics(workers["decode"])
+        # The workers count the aborts the router asked for, by the origin it named: one stop
+        # string ("router"), one client that left ("client"). The decode worker ran both; the
+        # prefill worker had finished its part (aborts of finished requests count nothing).
+        decode_url = workers["decode"]
+        wait_for_value(lambda: sum(value(metrics(decode_url), "pdserve:aborts_total", origin=o)
+                                   for o in ABORT_ORIGINS), stops + left)
+        bogus = httpx.post(f"{decode_url}/abort", json={"request_id": "nope", "origin": "bogus"}, timeout=5)
+        assert bogus.status_code == 400 and "bogus" in bogus.json()["error"]
+        unknown = httpx.post(f"{decode_url}/abort", json={"request_id": "nope", "origin": "router"}, timeout=5)
+        assert unknown.status_code == 200 and unknown.json() == {"ok": True, "aborted": False}
+        p, d = metrics(workers["prefill"]), metrics(decode_url)
+        aborts = {o: value(d, "pdserve:aborts_total", origin=o) for o in (*ABORT_ORIGINS, "other")}
+        assert aborts == {"client": left, "router": stops, "peer": 0, "timeout": 0, "drain": 0, "other": 0}
+        assert value(p, "pdserve:aborts_total", origin="peer") == value(p, "pdserve:aborts_total", origin="other") == 0
+        # One model_name on every series of router and workers: `pdserve serve` hands the
+        # router's served name to its workers.
+        for m in (r, p, d):
+            assert {dict(labels).get("model_name") for _, labels in m} == {MODEL}
         for m in (p, d):  # every accepted request had one KV transfer room, and it completed
             assert value(m, "pdserve:rooms_total", state="done") == accepted
             assert value(m, "pdserve:rooms_total", state="failed") == 0
@@ -142,6 +162,14 @@ def test_metrics_of_router_and_workers_count_a_scripted_workload():
     finally:
         code = stop_server(server.proc)
     assert code == 0, "\n".join(server.log)
+
+
+def wait_for_value(read, expected: float, timeout_s: float = 5.0) -> None:
+    """Until `read()` equals `expected` (an abort reaches the worker just after its stream ends)."""
+    deadline = time.monotonic() + timeout_s
+    while (got := read()) != expected:
+        assert time.monotonic() < deadline, (got, expected)
+        time.sleep(0.05)
 
 
 def wait_idle(workers: dict[str, str], timeout_s: float = 10.0) -> None:

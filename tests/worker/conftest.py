@@ -30,9 +30,24 @@ class WorkerProc:
     url: str
     proc: subprocess.Popen
     worker_id: str
+    log: str = ""  # the file its stderr goes to
 
     def get(self, path: str, **kw) -> httpx.Response:
         return httpx.get(self.url + path, timeout=10, **kw)
+
+    def wait_ready(self, timeout: float = 180) -> WorkerProc:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.role} worker exited: {open(self.log).read()[-3000:]}")
+            try:
+                if self.get("/ready").status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.kill()
+        raise TimeoutError(f"{self.role} worker did not become ready")
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -49,28 +64,18 @@ class WorkerProc:
 
 
 def start_worker(role: str, model: str, *extra: str, worker_id: str | None = None,
-                 timeout: float = 180) -> WorkerProc:
+                 timeout: float = 180, wait: bool = True, log_level: str = "WARNING") -> WorkerProc:
+    """`pdserve worker --role ROLE` in its own session; with `wait`, once its /ready says so."""
     port = free_port()
     worker_id = worker_id or f"test-{role}-{port}"
-    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING",
+    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", log_level,
            "worker", "--role", role, "--model", model, "--port", str(port), "--worker-id", worker_id,
            "--threads", "1", *extra]
     # the log goes to a file: an undrained pipe would block the worker once it fills up
     log = tempfile.NamedTemporaryFile(prefix=f"pdserve-{role}-{port}-", suffix=".log", delete=False)
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=log)
-    w = WorkerProc(role, f"http://127.0.0.1:{port}", proc, worker_id)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{role} worker exited: {open(log.name).read()[-3000:]}")
-        try:
-            if w.get("/ready").status_code == 200:
-                return w
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    w.kill()
-    raise TimeoutError(f"{role} worker did not become ready")
+    w = WorkerProc(role, f"http://127.0.0.1:{port}", proc, worker_id, log.name)
+    return w.wait_ready(timeout) if wait else w
 
 
 class PDClient:
@@ -87,8 +92,9 @@ class PDClient:
             body |= {"prefill_url": self.prefill.url, "prefill_worker_id": self.prefill.worker_id}
         tokens: list[int] = []
         prefill_task = None
-        try:
-            async with self.http.stream("POST", self.decode.url + "/generate", json=body) as r:
+        try:  # X-Request-Id as the router sends it: the room id
+            async with self.http.stream("POST", self.decode.url + "/generate", json=body,
+                                        headers={"X-Request-Id": rid}) as r:
                 assert r.status_code == 200, await r.aread()
                 async for line in r.aiter_lines():
                     msg = json.loads(line)
@@ -104,16 +110,17 @@ class PDClient:
         raise AssertionError("stream ended without a finish_reason")
 
     async def _prefill(self, rid: str, prompt_ids: list[int], params: dict, room: dict) -> None:
-        r = await self.http.post(self.prefill.url + "/prefill", json={
+        r = await self.http.post(self.prefill.url + "/prefill", headers={"X-Request-Id": rid}, json={
             "request_id": rid, "prompt_ids": prompt_ids, "params": params,
             "decode": {"worker_id": room["worker_id"], "decode_url": self.decode.url, "blocks": room["blocks"]}})
         if r.json()["status"] != "done":
             await self.abort(rid)
 
-    async def abort(self, rid: str) -> None:
+    async def abort(self, rid: str, origin: str | None = None) -> None:
+        body = {"request_id": rid, **({"origin": origin} if origin else {})}
         for w in (self.prefill, self.decode):
             if w is not None:
-                await self.http.post(w.url + "/abort", json={"request_id": rid})
+                await self.http.post(w.url + "/abort", json=body, headers={"X-Request-Id": rid})
 
 
 def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:

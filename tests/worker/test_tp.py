@@ -99,6 +99,13 @@ def test_tp3_on_the_default_model(default_model_dir):
         decode.stop()
 
 
+def gone(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+    except FileNotFoundError:
+        return True
+
+
 @pytest.mark.e2e
 @pytest.mark.chaos
 @pytest.mark.timeout(300)
@@ -114,7 +121,7 @@ def test_killing_one_rank_takes_the_worker_down(tiny_llama4_dir):
         both.proc.wait(timeout=60)  # the worker exits instead of waiting forever
         assert time.monotonic() - t0 < 60
         assert both.proc.returncode != 0
-        for pid in children:
-            assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+        # spawn's resource tracker notices its parent's exit a few milliseconds later
+        wait_for(lambda: all(map(gone, children)), 10, "no rank process left")
     finally:
         both.kill()
