@@ -24,6 +24,10 @@ def init_tp(rank: int, size: int, port: int, device: str = "cpu", timeout_s: flo
     dist.init_process_group("gloo", store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
     backend = "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        import torch
+
+        torch.cuda.set_device(device)  # NCCL binds each rank's communicator to the current GPU
     model_group = dist.new_group(backend=backend) if backend != "gloo" else dist.group.WORLD
     control = dist.new_group(backend="gloo")
     trace = trace or CollectiveTrace()

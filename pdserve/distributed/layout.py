@@ -43,6 +43,11 @@ class TPLayout:
         """The global ranks this node runs as child processes."""
         return range(self.first + 1, self.first + self.per_node)
 
+    def device(self, device: str, rank: int) -> str:
+        """Where global rank `rank` computes: plain "cuda" means this node's GPU number
+        `rank - first` (one GPU per local rank); an explicit "cuda:N" or "cpu" stays as given."""
+        return f"cuda:{rank - self.first}" if device == "cuda" else device
+
     @property
     def leader(self) -> bool:
         """This node holds rank 0 (it serves the API and plans)."""

@@ -14,6 +14,7 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 
 from pdserve.logs import setup_logging
 
@@ -96,6 +97,7 @@ def run_rank(rank: int, engine_config, settings, on_step: Callable[[], None] = l
 
     from .hooks import TestHooks
 
+    engine_config = replace(engine_config, device=settings.layout.device(engine_config.device, rank))
     host, port = settings.rendezvous
     tp, comm = init_tp(rank, settings.tp, port, engine_config.device, settings.collective_timeout,
                        host=host, init_timeout_s=settings.dist_init_timeout)

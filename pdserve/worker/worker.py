@@ -102,6 +102,7 @@ class Worker:
         self.ranks = []
         if settings.tp > 1:  # this process is rank 0; this node's other ranks are its children
             self.settings = settings = settings.with_rendezvous()
+            engine_config = replace(engine_config, device=settings.layout.device(engine_config.device, 0))
             self.ranks = spawn_ranks(settings.layout.children, engine_config, settings)
             host, port = settings.rendezvous
             tp, comm = init_tp(0, settings.tp, port, engine_config.device, settings.collective_timeout,

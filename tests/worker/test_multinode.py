@@ -142,6 +142,9 @@ def test_group_layout_puts_consecutive_ranks_on_each_node():
     assert TPLayout(2, 2, 1).children == range(2, 2) and TPLayout(4).children == range(1, 4)
     assert parse_addr("pdserve-decode-0.pdserve-decode:29500") == ("pdserve-decode-0.pdserve-decode", 29500)
     assert parse_addr("[::1]:29500") == ("::1", 29500)
+    # one GPU per local rank: node 1's global ranks 4..7 use its cuda:0..3
+    assert [TPLayout(8, 2, 1).device("cuda", r) for r in range(4, 8)] == [f"cuda:{i}" for i in range(4)]
+    assert TPLayout(8, 2, 1).device("cuda:2", 5) == "cuda:2" and TPLayout(2).device("cpu", 1) == "cpu"
 
 
 @pytest.mark.parametrize("argv, words", [
