@@ -9,8 +9,9 @@ import logging
 import os
 from pathlib import Path
 
-from pdserve.frontend.config import RouterConfig, served_name
+from pdserve.frontend.config import RouterConfig
 from pdserve.logs import setup_logging
+from pdserve.model_name import served_name
 
 logger = logging.getLogger(__name__)
 

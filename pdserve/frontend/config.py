@@ -4,8 +4,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdserve.model_name import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, served_name  # noqa: F401 - re-exported
-
 
 @dataclass
 class RouterConfig:

@@ -22,7 +22,7 @@ from pdserve.layers.dsa import Indexer, index_cache_spec
 from pdserve.layers.embedding import Embedding, LMHead
 from pdserve.layers.mla import MLADims, MLAttention
 from pdserve.layers.mlp import GatedMLP
-from pdserve.layers.moe import MoE
+from pdserve.layers.moe import STACKED, MoE
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.quant import QuantConfig
 from pdserve.layers.rotary import RotaryEmbedding, yarn_mscale
@@ -162,7 +162,7 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekForCausalLM(nn.Module):
     """Entry point for the three architectures; the interface of pdserve.models.llama."""
 
-    stacked = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}  # dense layers' MLP
+    stacked = STACKED  # the dense layers' MLP: gate/up fused as in the MoE block
 
     def __init__(self, hf_config: dict, tp: TPGroup = TPGroup(), quant: QuantConfig | None = None):
         super().__init__()
