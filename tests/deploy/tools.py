@@ -28,10 +28,11 @@ ROLES = ("router", "prefill", "decode")
 
 
 def tool(name: str, package: str) -> str:
-    """Path of a console script installed next to this Python, else on PATH; else skip."""
+    """Path of a console script installed next to this Python, else on PATH. `make test` installs
+    it (setup.py's test extras), so a missing one is a set-up failure, not a reason to skip."""
     found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
     if found is None:
-        pytest.skip(f"{name} is not installed (pip install {package}, in setup.py's test extras)")
+        pytest.fail(f"{name} is not installed (pip install {package}, in setup.py's test extras)")
     return found
 
 

@@ -63,14 +63,14 @@ def _has_gpu(lib) -> bool:
 
 def test_available_says_why_not_without_a_gpu(lib) -> None:
     if _has_gpu(lib):
-        pytest.skip("a GPU is present")
+        pytest.skip("checks the no-GPU path and a GPU is present (bench/gpu_check.py tests the GPU path)")
     avail = cuda_lib.available()
     assert not avail and "no CUDA device" in avail.reason
 
 
 def test_every_launch_returns_no_device_without_a_gpu(lib) -> None:
     if _has_gpu(lib):
-        pytest.skip("a GPU is present")
+        pytest.skip("checks the no-GPU path and a GPU is present (bench/gpu_check.py tests the GPU path)")
     buf = torch.zeros(1 << 16, dtype=torch.uint8)  # host memory: never touched on this path
     p, s = ctypes.c_void_p(buf.data_ptr()), None
     assert lib.pds_nvfp4_gemm_bf16(p, p, p, p, p, None, 1.0, 128, 128, 128, None, 0, s) == 1
@@ -96,7 +96,7 @@ def test_invalid_arguments_are_rejected_before_any_device_call(lib) -> None:
 
 def test_wrappers_raise_kernel_error_without_a_gpu(lib) -> None:
     if _has_gpu(lib):
-        pytest.skip("a GPU is present")
+        pytest.skip("checks the no-GPU path and a GPU is present (bench/gpu_check.py tests the GPU path)")
     x = torch.zeros(4, 64, dtype=torch.bfloat16)
     with pytest.raises(cuda_lib.KernelError) as err:
         cuda_lib.nvfp4_quantize(x, 1.0)

@@ -350,7 +350,7 @@ def test_cli_quantize_weights_only(tiny_llama_dir, tmp_path, all_logits):
 def test_modelopt_export_of_the_same_model_matches_ours(tiny_llama_dir, tiny_nvfp4, tmp_path, all_logits):
     """ModelOpt (CPU calibration, unified HF export) and `pdserve quantize` write the same bytes."""
     if importlib.util.find_spec("modelopt") is None:
-        pytest.skip(f"NVIDIA ModelOpt not installed (pip install --no-deps {MODELOPT_PIP})")
+        pytest.fail(f"NVIDIA ModelOpt not installed: `make test` installs it (pip install --no-deps {MODELOPT_PIP})")
     calib = tmp_path / "calib.json"
     calib.write_text(json.dumps(calib_ids()))
     script = Path(__file__).with_name("modelopt_export.py")
