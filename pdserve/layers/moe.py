@@ -44,6 +44,7 @@ from torch import nn
 from pdserve.distributed import TPGroup
 from pdserve.layers.mlp import GatedMLP
 from pdserve.layers.quant import QuantConfig
+from pdserve.weights.loading import load_tensors, require_loaded, stacked_target
 
 # checkpoint module name → (our module name, shard id of the fused gate_up_proj)
 STACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -182,25 +183,17 @@ class MoE(nn.Module):
         ids 0/1), everything else 1:1; tensors of experts this rank does not own are skipped
         unread. Raises when a tensor has no place or a parameter of this rank got none.
         """
-        modules = dict(self.named_modules())
-        expected = {n for n, _ in self.named_parameters()}
+        mine = []
         for name in names:
-            path, _, param = name.removeprefix(self.prefix + ".").rpartition(".")
-            parts = path.split(".")
-            if parts[0] == "experts" and len(parts) == 3 and parts[1].isdigit():
+            parts = name.removeprefix(self.prefix + ".").split(".")
+            if parts[0] == "experts" and len(parts) == 4 and parts[1].isdigit():
                 expert = int(parts[1])
                 if expert >= self.n_routed_experts:
                     raise ValueError(f"checkpoint tensor {name}: expert {expert} of "
                                      f"{self.n_routed_experts} routed experts")
                 if not self.owns(expert):
                     continue  # another rank's
-            leaf, shard_id = STACKED.get(parts[-1], (parts[-1], None))
-            module_name = ".".join([*parts[:-1], leaf])
-            module = modules.get(module_name)
-            if module is None or not hasattr(module, param):
-                raise ValueError(f"checkpoint tensor {name} has no place in the MoE block {self.prefix}; "
-                                 "is the checkpoint's quantization config (or its exclude list) right?")
-            module.load(param, source, name, shard_id)
-            expected.discard(f"{module_name}.{param}")
-        if expected:
-            raise ValueError(f"checkpoint is missing tensors for {self.prefix}: {sorted(expected)[:8]}")
+            mine.append(name)
+        loaded = load_tensors(self, source, mine,
+                              lambda n: stacked_target(n.removeprefix(self.prefix + "."), STACKED))
+        require_loaded(self, loaded, self.prefix)

@@ -27,6 +27,8 @@ from pdserve.layers.norm import RMSNorm
 from pdserve.layers.quant import QuantConfig
 from pdserve.layers.rotary import RotaryEmbedding, yarn_mscale
 
+from pdserve.weights.loading import load_tensors, require_loaded, stacked_target
+
 logger = logging.getLogger(__name__)
 
 DSA_ARCHITECTURES = {"DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"}
@@ -162,8 +164,6 @@ class DeepseekDecoderLayer(nn.Module):
 class DeepseekForCausalLM(nn.Module):
     """Entry point for the three architectures; the interface of pdserve.models.llama."""
 
-    stacked = STACKED  # the dense layers' MLP: gate/up fused as in the MoE block
-
     def __init__(self, hf_config: dict, tp: TPGroup = TPGroup(), quant: QuantConfig | None = None):
         super().__init__()
         c = self.config = DeepseekConfig.from_hf(hf_config)
@@ -200,45 +200,30 @@ class DeepseekForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def checkpoint_target(self, name: str) -> tuple[str, str, object]:
-        """(module, parameter, shard id) that checkpoint tensor `name` loads into."""
-        name = name.removeprefix("model.")
-        module_name, _, param = name.rpartition(".")
-        parent, _, leaf = module_name.rpartition(".")
-        if leaf in self.stacked:
-            leaf, shard_id = self.stacked[leaf]
-            return f"{parent}.{leaf}", param, shard_id
-        return module_name, param, None
+        """(module, parameter, shard id) that checkpoint tensor `name` loads into (dense layers'
+        gate/up fused as in the MoE block)."""
+        return stacked_target(name.removeprefix("model."), STACKED)
 
     def load_weights(self, source) -> None:
         """Load from a WeightSource; each rank reads only its slices and its own experts."""
-        modules = dict(self.named_modules())
-        expected = {n for n, _ in self.named_parameters()}
-        moe_names: dict[int, list[str]] = defaultdict(list)
-        skipped_mtp = set()
+        plain, moe_names, skipped_mtp = [], defaultdict(list), set()
         for name in source.names():
             layer = re.match(r"model\.layers\.(\d+)\.", name)
             i = int(layer.group(1)) if layer else None
             if i is not None and i >= self.config.num_layers:
                 skipped_mtp.add(i)  # multi-token-prediction layers: not used
+            elif "rotary_emb" in name or (name.startswith("lm_head") and self.config.tie_word_embeddings):
                 continue
-            if "rotary_emb" in name or (name.startswith("lm_head") and self.config.tie_word_embeddings):
+            elif self.quant is not None and self.quant.ignores_tensor(name):
                 continue
-            if self.quant is not None and self.quant.ignores_tensor(name):
-                continue
-            if i is not None and isinstance(self.layers[i].mlp, MoE) and ".mlp." in name:
+            elif i is not None and isinstance(self.layers[i].mlp, MoE) and ".mlp." in name:
                 moe_names[i].append(name)  # the MoE block maps its own tensors (and skips other ranks' experts)
-                continue
-            module_name, param, shard_id = self.checkpoint_target(name)
-            module = modules.get(module_name)
-            if module is None or not hasattr(module, param):
-                raise ValueError(f"checkpoint tensor {name} has no place in the model; does config.json "
-                                 "(or the quantization config's exclude list) match the checkpoint?")
-            module.load(param, source, name, shard_id)
-            expected.discard(f"{module_name}.{param}")
+            else:
+                plain.append(name)
+        loaded = load_tensors(self, source, plain, self.checkpoint_target)
         for i, names in moe_names.items():
             self.layers[i].mlp.load_weights(source, names)
-            expected -= {f"layers.{i}.mlp.{n}" for n, _ in self.layers[i].mlp.named_parameters()}
+            loaded |= {f"layers.{i}.mlp.{n}" for n, _ in self.layers[i].mlp.named_parameters()}
         if skipped_mtp:
             logger.info("skipped the checkpoint's multi-token-prediction layers %s", sorted(skipped_mtp))
-        if expected:
-            raise ValueError(f"checkpoint is missing tensors for: {sorted(expected)[:8]}")
+        require_loaded(self, loaded)

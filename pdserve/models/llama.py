@@ -21,6 +21,8 @@ from pdserve.layers.norm import RMSNorm
 from pdserve.layers.quant import QuantConfig, linear_method
 from pdserve.layers.rotary import RotaryEmbedding
 
+from pdserve.weights.loading import load_tensors, require_loaded, stacked_target
+
 logger = logging.getLogger(__name__)
 
 
@@ -170,32 +172,13 @@ class LlamaForCausalLM(nn.Module):
 
     def checkpoint_target(self, name: str) -> tuple[str, str, object]:
         """(module, parameter, shard id) that checkpoint tensor `name` loads into."""
-        module_name, _, param = name.rpartition(".")
-        parent, _, leaf = module_name.rpartition(".")
-        if leaf in self.stacked:
-            leaf, shard_id = self.stacked[leaf]
-            return f"{parent}.{leaf}", param, shard_id
-        return module_name, param, None
+        return stacked_target(name, self.stacked)
 
     def load_weights(self, source) -> None:
         """Load from a WeightSource; each layer reads only its TP slice."""
-        modules = dict(self.named_modules())
-        expected = {n for n, _ in self.named_parameters()}
-        for name in source.names():
-            if "rotary_emb" in name or (name.startswith("lm_head") and self.config.tie_word_embeddings):
-                continue
-            if self.quant is not None and self.quant.ignores_tensor(name):
-                continue
-            module_name, param, shard_id = self.checkpoint_target(name)
-            module = modules.get(module_name)
-            if module is None:
-                logger.warning("checkpoint tensor %s has no place in the model; skipped", name)
-                continue
-            if not hasattr(module, param):
-                raise ValueError(f"checkpoint tensor {name} has no place in {module_name} "
-                                 f"({type(module).__name__}); is the checkpoint's quantization config "
-                                 "(or its exclude list) right?")
-            module.load(param, source, name, shard_id)
-            expected.discard(f"{module_name}.{param}")
-        if expected:
-            raise ValueError(f"checkpoint is missing tensors for: {sorted(expected)[:8]}")
+        tied = self.config.tie_word_embeddings
+        names = [n for n in source.names()
+                 if "rotary_emb" not in n and not (n.startswith("lm_head") and tied)
+                 and not (self.quant is not None and self.quant.ignores_tensor(n))]
+        loaded = load_tensors(self, source, names, self.checkpoint_target, strict=False)
+        require_loaded(self, loaded)
