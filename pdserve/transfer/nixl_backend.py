@@ -211,6 +211,17 @@ class NixlEndpoint:
             logger.warning("closing transfer agent %s: %s", self.name, e)
 
 
+def receive_messages(ep: "NixlEndpoint", counters, owner: str) -> list:
+    """The notifications that arrived, as (peer, raw); a transport error is counted and logged
+    (and yields none this time: the next poll tries again)."""
+    try:
+        return ep.receive()
+    except TransportError as e:
+        counters["receive_errors"] += 1
+        logger.warning("%s: receiving notifications: %s", owner, e)
+        return []
+
+
 def send_message(ep: "NixlEndpoint", peer: str, msg, on_dead, counters, owner: str) -> bool:
     """Send a notification; a dead peer goes to `on_dead(peer, reason)`, any other transport
     error is counted and logged. True when sent."""

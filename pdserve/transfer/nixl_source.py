@@ -20,7 +20,8 @@ from .base import TransferConfig, TransferSource
 from .bootstrap import BootstrapInfo
 from .events import Fenced, PeerDead, RoomAborted, RoomFailed, RoomWritten, SourceEvent
 from .layout import PoolLayout
-from .nixl_backend import NixlEndpoint, PeerGone, TransportError, XferHandle, XferStatus, send_message
+from .nixl_backend import (NixlEndpoint, PeerGone, TransportError, XferHandle, XferStatus, receive_messages,
+                           send_message)
 from .rooms import Outcome, RoomEvent, RoomState, RoomTable
 from .wire import Abort, Done, Fail, Fence, Hello, Message, Ping, WireError, decode, encode
 
@@ -126,13 +127,7 @@ class NixlSource(TransferSource):
     def poll(self) -> list[SourceEvent]:
         for room, handle in list(self._inflight.items()):
             self._advance(room, handle, post=False)
-        try:
-            notifs = self._ep.receive()
-        except TransportError as e:
-            self.counters["receive_errors"] += 1
-            logger.warning("%s: receiving notifications: %s", self.name, e)
-            notifs = []
-        for peer, raw in notifs:
+        for peer, raw in receive_messages(self._ep, self.counters, self.name):
             self._on_notif(peer, raw)
         for room in self.rooms.tick():
             self._after_failure(room, "room lease expired")

@@ -15,7 +15,7 @@ from .base import TransferConfig, TransferTarget
 from .bootstrap import BootstrapInfo
 from .events import Fenced, PeerConnected, PeerDead, RoomAborted, RoomDone, RoomFailed, TargetEvent
 from .layout import LayoutMismatch, PoolLayout
-from .nixl_backend import NixlEndpoint, TransportError, send_message
+from .nixl_backend import NixlEndpoint, TransportError, receive_messages, send_message
 from .rooms import Outcome, RoomEvent, RoomState, RoomTable
 from .wire import Abort, Done, Fail, Fence, Hello, Message, Ping, WireError, decode
 
@@ -59,13 +59,7 @@ class NixlTarget(TransferTarget):
         return send_message(self._ep, peer, msg, self._peer_dead, self.counters, self.name)
 
     def poll(self) -> list[TargetEvent]:
-        try:
-            notifs = self._ep.receive()
-        except TransportError as e:
-            self.counters["receive_errors"] += 1
-            logger.warning("%s: receiving notifications: %s", self.name, e)
-            notifs = []
-        for peer, raw in notifs:
+        for peer, raw in receive_messages(self._ep, self.counters, self.name):
             self._on_notif(peer, raw)
         self._heartbeat()
         for room in self.rooms.tick():
