@@ -64,10 +64,7 @@ class HermesParser(StreamParser):
             self._reject(Diag.REASONING_CLOSED_IMPLICITLY)
             if self._failed:
                 return
-        text.take_newlines()  # the separator in front of the call is formatting
-        text.close()
-        text.reasoning = False
-        text.lstrip = b""
+        text.end_before_call()
         self._block_seen = True
         self._state = State.CALL
         self._body.clear()

@@ -115,6 +115,14 @@ class TextChannels:
         """Flush the current channel's UTF-8 sink (a broken code point becomes U+FFFD)."""
         self._emit_text(self._sinks[self.reasoning].close())
 
+    def end_before_call(self) -> None:
+        """A tool call starts: the separator newlines in front of it are formatting, the text
+        so far is flushed, and text after the call is content."""
+        self.take_newlines()
+        self.close()
+        self.reasoning = False
+        self.lstrip = b""
+
     def think(self, start: bool, block_seen: bool) -> Diag | None:
         """Apply a think marker (spec §2.5); returns a diagnostic for a stray one."""
         if self.reasoning:
