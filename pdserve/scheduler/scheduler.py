@@ -78,7 +78,7 @@ class Scheduler:
                     freed += len(seq.block_table)
                 else:
                     arrived.append(t.token)
-            elif t.kind in ("written", "fenced"):
+            elif t.kind in ("arrived", "written", "fenced"):
                 freed += len(seq.block_table)
         for rid, reason in inbox.aborts:
             seq = self.seqs.get(rid) or self._sending(rid)
@@ -255,7 +255,9 @@ class Scheduler:
         elif t.kind == "written" and seq.finish_reason == "prefilled":
             self._drop_held(seq)
             outputs.append(StepOutput(seq.request_id, finish_reason="prefilled"))
-        elif t.kind in ("written", "fenced"):
+        elif t.kind in ("arrived", "written", "fenced"):
+            # Nothing writes these blocks any more. An arrival for a room aborted meanwhile
+            # lands here: its rank reported the KV before it saw the abort, so no fence follows.
             self._drop_held(seq)
 
     def _sending(self, rid: str) -> Sequence | None:
