@@ -39,28 +39,36 @@ LLAMAS = {  # similar sizes: (layers, KV heads, head dim)
 def kv_rows() -> list[list[object]]:
     import transformers
 
+    from pdserve.kvcache import KVPool
     from pdserve.models.deepseek import DeepseekConfig, cache_spec
 
     rows = []
-    configs = {"DeepSeek-V3 (671B)": transformers.DeepseekV3Config(),
-               "DeepSeek-V3.2 (671B)": transformers.DeepseekV32Config(),
-               "GLM-5 (744B)": transformers.GlmMoeDsaConfig(),
-               "GLM-5-shaped ≈100M": transformers.GlmMoeDsaConfig(**SMALL_GLM5)}
-    for name, hf in configs.items():
-        cfg = hf.to_dict()
+    configs = {"DeepSeek-V3 (671B)": (transformers.DeepseekV3Config(), {}),
+               "DeepSeek-V3.2 (671B)": (transformers.DeepseekV32Config(), {}),
+               "GLM-5 (744B)": (transformers.GlmMoeDsaConfig(), {}),
+               # the indexer runs on every 4th layer, the others reuse its top-k (no index keys)
+               "GLM-5, index_topk_freq 4": (transformers.GlmMoeDsaConfig(),
+                                            {"indexer_types": None, "index_topk_freq": 4,
+                                             "index_skip_topk_offset": 3}),
+               "GLM-5-shaped ≈100M": (transformers.GlmMoeDsaConfig(**SMALL_GLM5), {})}
+    for name, (hf, overrides) in configs.items():
+        cfg = hf.to_dict() | overrides
         cfg["architectures"] = hf.architectures or [type(hf).__name__.replace("Config", "ForCausalLM")]
         c = DeepseekConfig.from_hf(cfg)
         for index_dtype, label in ((torch.bfloat16, "bf16 index keys"), (torch.float8_e4m3fn, "fp8 index keys")):
             specs = cache_spec(c, torch.bfloat16, index_dtype)
-            per_layer = {s.name: s.bytes_per_token() for s in specs}
+            kinds: dict[str, int] = {}  # each distinct layer layout → how many layers have it
+            for layer in specs:
+                key = " + ".join(f"{s.name} {s.bytes_per_token()}" for s in layer)
+                kinds[key] = kinds.get(key, 0) + 1
             rows.append([name, label if c.indexer_types else "-", c.num_layers,
-                         " + ".join(f"{k} {v}" for k, v in per_layer.items()),
-                         c.num_layers * sum(per_layer.values())])
+                         "; ".join(f"{k} ({n} layers)" for k, n in kinds.items()),
+                         KVPool.bytes_per_token(specs)])
             if not c.indexer_types:
                 break
     for name, (layers, kv_heads, head_dim) in LLAMAS.items():
         per = 2 * kv_heads * head_dim * 2
-        rows.append([name, "-", layers, f"k+v {per}", layers * per])
+        rows.append([name, "-", layers, f"k+v {per} ({layers} layers)", layers * per])
     return rows
 
 

@@ -180,7 +180,7 @@ def forward_tokens(net: torch.nn.Module, ids: list[int], block_size: int = 16) -
     from pdserve.kvcache import KVPool
 
     n_blocks = -(-len(ids) // block_size)
-    pool = KVPool(net.num_layers, net.cache_spec(torch.float32), n_blocks, block_size)
+    pool = KVPool(net.cache_spec(torch.float32), n_blocks, block_size)
     seq = Seq("calibration", list(ids), SamplingParams())
     seq.block_table = list(range(n_blocks))
     with torch.inference_mode():

@@ -49,7 +49,7 @@ def _all_logits(model: torch.nn.Module, ids: list[int], chunk: int | None = None
     (DSA index keys, where the model has them, cached as `index_dtype`)."""
     specs = model.cache_spec(torch.float32, index_dtype)
     n_blocks = -(-len(ids) // block_size) + 1
-    pool = KVPool(model.num_layers, specs, n_blocks, block_size)
+    pool = KVPool(specs, n_blocks, block_size)
     runner = ModelRunner(model, pool)
     seq = Sequence("r", list(ids), SamplingParams())
     seq.block_table = BlockAllocator(n_blocks).allocate(n_blocks)

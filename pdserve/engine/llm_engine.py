@@ -57,9 +57,8 @@ class LLMEngine:
         self.rank = tp.rank
         self.model = load_model(self.model_dir, dtype, config.device, tp, config.nvfp4_mode)
         specs = self.model.cache_spec(dtype, INDEX_DTYPES[config.index_cache_dtype])
-        num_blocks = KVPool.blocks_for_budget(config.kv_cache_memory, self.model.num_layers, specs,
-                                              config.block_size)
-        self.pool = KVPool(self.model.num_layers, specs, num_blocks, config.block_size, config.device)
+        num_blocks = KVPool.blocks_for_budget(config.kv_cache_memory, specs, config.block_size)
+        self.pool = KVPool(specs, num_blocks, config.block_size, config.device)
         self.allocator = BlockAllocator(num_blocks)
         max_len = config.max_model_len or hf_config.get("max_position_embeddings", 4096)
         self.scheduler = Scheduler(

@@ -1,4 +1,6 @@
-"""The KV pool: for each layer and declared cache tensor, one `[num_blocks, block_size, ...]` tensor."""
+"""The KV pool: for each layer and each cache tensor it declares, one `[num_blocks, block_size, ...]`
+tensor. Layers may declare different tensors (a GLM-5 layer that reuses another's top-k keeps no
+index keys)."""
 from __future__ import annotations
 
 import logging
@@ -17,30 +19,39 @@ class KVPool:
     across all layers (what the allocator hands out and the transfer moves).
     """
 
-    def __init__(self, num_layers: int, specs: list[CacheTensorSpec], num_blocks: int,
+    def __init__(self, layer_specs: list[list[CacheTensorSpec]], num_blocks: int,
                  block_size: int, device: torch.device | str = "cpu"):
         if num_blocks < 1:
             raise ValueError("the KV pool needs at least one block; raise the KV cache budget")
-        self.num_layers, self.specs = num_layers, specs
+        self.layer_specs = layer_specs
         self.num_blocks, self.block_size = num_blocks, block_size
         self.layers: list[dict[str, torch.Tensor]] = [
             {s.name: torch.zeros(num_blocks, block_size, *s.shape, dtype=s.dtype, device=device)
              for s in specs}
-            for _ in range(num_layers)
+            for specs in layer_specs
         ]
         logger.info("KV pool: %d blocks x %d tokens, %.1f MiB", num_blocks, block_size,
-                    self.bytes_per_block(num_layers, specs, block_size) * num_blocks / 2**20)
+                    self.bytes_per_block(layer_specs, block_size) * num_blocks / 2**20)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_specs)
 
     @staticmethod
-    def bytes_per_block(num_layers: int, specs: list[CacheTensorSpec], block_size: int) -> int:
-        return num_layers * block_size * sum(s.bytes_per_token() for s in specs)
+    def bytes_per_token(layer_specs: list[list[CacheTensorSpec]]) -> int:
+        """Cache bytes one token takes, over all layers."""
+        return sum(s.bytes_per_token() for specs in layer_specs for s in specs)
 
     @classmethod
-    def blocks_for_budget(cls, budget_bytes: int, num_layers: int, specs: list[CacheTensorSpec],
+    def bytes_per_block(cls, layer_specs: list[list[CacheTensorSpec]], block_size: int) -> int:
+        return block_size * cls.bytes_per_token(layer_specs)
+
+    @classmethod
+    def blocks_for_budget(cls, budget_bytes: int, layer_specs: list[list[CacheTensorSpec]],
                           block_size: int) -> int:
         """How many blocks a memory budget buys."""
-        return budget_bytes // cls.bytes_per_block(num_layers, specs, block_size)
+        return budget_bytes // cls.bytes_per_block(layer_specs, block_size)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every cache tensor, in a fixed order (layer-major): what the KV transfer registers."""
-        return [layer[s.name] for layer in self.layers for s in self.specs]
+        return [t for layer in self.layers for t in layer.values()]

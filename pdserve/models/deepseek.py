@@ -129,12 +129,13 @@ def _indexer_types(arch: str, cfg: dict) -> tuple[str, ...] | None:
 
 
 def cache_spec(c: DeepseekConfig, dtype: torch.dtype, index_dtype: torch.dtype = torch.bfloat16
-               ) -> list[CacheTensorSpec]:
-    """Per token and layer: the MLA latent, plus the DSA index key (in `index_dtype`) where there is one."""
-    specs = [CacheTensorSpec("latent", (c.mla.kv_lora_rank + c.mla.qk_rope_head_dim,), dtype)]
-    if c.indexer_types is not None:
-        specs += index_cache_spec(c.index_head_dim, index_dtype)
-    return specs
+               ) -> list[list[CacheTensorSpec]]:
+    """Per layer: the MLA latent, plus the DSA index key (in `index_dtype`) where the layer runs
+    its indexer (a "shared" layer reuses another's top-k and keeps no keys)."""
+    latent = CacheTensorSpec("latent", (c.mla.kv_lora_rank + c.mla.qk_rope_head_dim,), dtype)
+    types = c.indexer_types or ("none",) * c.num_layers
+    return [[latent] + (index_cache_spec(c.index_head_dim, index_dtype) if t == "full" else [])
+            for t in types]
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -179,7 +180,7 @@ class DeepseekForCausalLM(nn.Module):
         return self.config.num_layers
 
     def cache_spec(self, dtype: torch.dtype, index_dtype: torch.dtype = torch.bfloat16
-                   ) -> list[CacheTensorSpec]:
+                   ) -> list[list[CacheTensorSpec]]:
         return cache_spec(self.config, dtype, index_dtype)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -158,11 +158,14 @@ class LlamaForCausalLM(nn.Module):
     def num_layers(self) -> int:
         return self.config.num_layers
 
-    def cache_spec(self, dtype: torch.dtype, index_dtype: torch.dtype | None = None) -> list[CacheTensorSpec]:
-        """K and V per KV head (`index_dtype` is for sparse-attention models; Llama has no index)."""
+    def cache_spec(self, dtype: torch.dtype, index_dtype: torch.dtype | None = None
+                   ) -> list[list[CacheTensorSpec]]:
+        """Per layer: K and V per KV head (`index_dtype` is for sparse-attention models; Llama
+        has no index)."""
         kv = self.model.layers[0].self_attn.num_kv_heads
         shape = (kv, self.config.head_dim)
-        return [CacheTensorSpec("k", shape, dtype), CacheTensorSpec("v", shape, dtype)]
+        return [[CacheTensorSpec("k", shape, dtype), CacheTensorSpec("v", shape, dtype)]
+                for _ in range(self.num_layers)]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(ids, positions, meta)

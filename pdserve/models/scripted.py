@@ -36,8 +36,9 @@ class ScriptedForCausalLM(nn.Module):
             raise ValueError("pdserve_script and eos_token_id must be ids below vocab_size")
         self.num_layers = 1
 
-    def cache_spec(self, dtype: torch.dtype, index_dtype: torch.dtype | None = None) -> list[CacheTensorSpec]:
-        return [CacheTensorSpec("pos", (1,), torch.float32)]
+    def cache_spec(self, dtype: torch.dtype, index_dtype: torch.dtype | None = None
+                   ) -> list[list[CacheTensorSpec]]:
+        return [[CacheTensorSpec("pos", (1,), torch.float32)]]
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         cache = meta.kv_caches[0]["pos"].view(-1)  # one slot per token

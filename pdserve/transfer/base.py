@@ -30,10 +30,26 @@ class TransferConfig:
     clock: Callable[[], float] = field(default=time.monotonic)
 
 
-class TransferTarget(ABC):
-    """Decode side: owns the destination pool, receives one-sided writes."""
+class TransferAgent(ABC):
+    """What both sides have: a name, a room table to read, counters, and transport to release."""
 
     name: str
+
+    @abstractmethod
+    def state(self, room: str) -> RoomState:
+        """NEW for unknown rooms."""
+
+    @abstractmethod
+    def metrics(self) -> dict[str, int]:
+        """Counters (rooms by terminal state, late/illegal messages by kind) and gauges."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every transport resource. The object is unusable afterwards."""
+
+
+class TransferTarget(TransferAgent):
+    """Decode side: owns the destination pool, receives one-sided writes."""
 
     @abstractmethod
     def bootstrap_info(self) -> bytes:
@@ -57,23 +73,9 @@ class TransferTarget(ABC):
     def poll(self) -> list[TargetEvent]:
         """Make progress and report. Call every scheduler iteration."""
 
-    @abstractmethod
-    def state(self, room: str) -> RoomState:
-        """NEW for unknown rooms."""
 
-    @abstractmethod
-    def metrics(self) -> dict[str, int]:
-        """Counters (rooms by terminal state, late/illegal messages by kind) and gauges."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Release every transport resource. The object is unusable afterwards."""
-
-
-class TransferSource(ABC):
+class TransferSource(TransferAgent):
     """Prefill side: owns the source pool, writes into targets."""
-
-    name: str
 
     @abstractmethod
     def connect(self, peer_info: bytes) -> str:
@@ -102,15 +104,3 @@ class TransferSource(ABC):
     @abstractmethod
     def poll(self) -> list[SourceEvent]:
         """Make progress and report. Call every scheduler iteration."""
-
-    @abstractmethod
-    def state(self, room: str) -> RoomState:
-        """NEW for unknown rooms."""
-
-    @abstractmethod
-    def metrics(self) -> dict[str, int]:
-        """Counters and gauges, as for the target."""
-
-    @abstractmethod
-    def close(self) -> None:
-        """Release every transport resource. The object is unusable afterwards."""

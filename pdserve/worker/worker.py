@@ -206,8 +206,8 @@ class Worker:
         return max(n, 0)
 
     def _count(self, outputs: list[StepOutput], now: float) -> None:
-        bytes_per_block = self.engine.pool.bytes_per_block(self.engine.pool.num_layers, self.engine.pool.specs,
-                                                           self.engine.pool.block_size)
+        pool = self.engine.pool
+        bytes_per_block = pool.bytes_per_block(pool.layer_specs, pool.block_size)
         for out in outputs:
             st = self._stats.get(out.request_id)
             if st is None:

@@ -11,6 +11,7 @@ import transformers
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kvcache import KVPool
 from pdserve.layers.dsa import Indexer
 from pdserve.models import load_model
 from tests.tiny_models import DEEPSEEK_KINDS, make_deepseek
@@ -46,6 +47,20 @@ def test_sparsity_matters(deepseek_dir, all_logits, tmp_path):
     dense = all_logits(load_model(dense_dir), ids)
     assert torch.allclose(sparse[:16], dense[:16], atol=1e-5)  # the first 16 queries see everything
     assert (sparse[16:] - dense[16:]).abs().max() > 1e-2
+
+
+def test_shared_indexer_layers_keep_no_index_keys(deepseek_dir):
+    """GLM-5's "shared" layers reuse the top-k of the last "full" layer: the pool gives them the
+    MLA latent only, so a model that shares its indexer needs fewer cache bytes per token."""
+    shared = load_model(deepseek_dir("glm-5-shared"))  # pattern FSF
+    full = load_model(deepseek_dir("glm-5"))
+    names = [[s.name for s in layer] for layer in shared.cache_spec(torch.bfloat16)]
+    assert names == [["latent", "index_k"], ["latent"], ["latent", "index_k"]]
+    pool = KVPool(shared.cache_spec(torch.bfloat16), num_blocks=2, block_size=4)
+    assert [sorted(layer) for layer in pool.layers] == [sorted(n) for n in names]
+    index_bytes = 2 * shared.config.index_head_dim  # one bf16 key per token
+    assert KVPool.bytes_per_token(full.cache_spec(torch.bfloat16)) - \
+        KVPool.bytes_per_token(shared.cache_spec(torch.bfloat16)) == index_bytes
 
 
 @pytest.mark.parametrize("kind", ["deepseek-v3", "glm-5-shared"])

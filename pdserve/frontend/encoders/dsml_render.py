@@ -8,7 +8,7 @@ the model's own output and parses back to the same calls.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 DSML = "\uff5cDSML\uff5c"
@@ -115,6 +115,17 @@ def with_tools(messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] |
     if response_format:
         out[index]["response_format"] = response_format
     return out
+
+
+def message_extras(msg: Message, tools_prompt: Callable[[Sequence[Mapping[str, Any]]], str]) -> str:
+    """What a system or user message carries after its text: the tools (in the version's own
+    words, `tools_prompt`) and the response format."""
+    text = ""
+    if msg.get("tools"):
+        text += "\n\n" + tools_prompt(msg["tools"])
+    if msg.get("response_format"):
+        text += "\n\n" + RESPONSE_FORMAT.format(schema=to_json(msg["response_format"]))
+    return text
 
 
 def last_user_index(messages: Sequence[Message]) -> int:

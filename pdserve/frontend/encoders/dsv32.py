@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pdserve.frontend.encoders.dsml_render import (ASSISTANT, BOS, DSML, EOS, RESPONSE_FORMAT, THINK_END,
+from pdserve.frontend.encoders.dsml_render import (ASSISTANT, BOS, DSML, EOS, THINK_END,
                                                    THINK_START, USER, EncodeError, Message, calls_of,
-                                                   functions_of, last_user_index, reasoning_of,
-                                                   render_calls_block, text_of, to_json, with_tools)
+                                                   functions_of, last_user_index, message_extras,
+                                                   reasoning_of, render_calls_block, text_of, to_json,
+                                                   with_tools)
 
 BLOCK = "function_calls"
 
@@ -77,28 +78,20 @@ def _drop_old_reasoning(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _extras(msg: Message) -> str:
-    text = ""
-    if msg.get("tools"):
-        text += "\n\n" + tools_prompt(msg["tools"])
-    if msg.get("response_format"):
-        text += "\n\n" + RESPONSE_FORMAT.format(schema=to_json(msg["response_format"]))
-    return text
-
-
 def _render(i: int, msgs: Sequence[Message], last_user: int, thinking: bool) -> str:
     msg = msgs[i]
     role = msg.get("role")
     opens = THINK_START if thinking and i == last_user else THINK_END
     if role == "system":
-        return text_of(msg.get("content")) + _extras(msg)
+        return text_of(msg.get("content")) + message_extras(msg, tools_prompt)
     if role == "user":
         return USER + text_of(msg.get("content")) + ASSISTANT + opens
     if role == "developer":
         content = text_of(msg.get("content"))
         if not content:
             raise EncodeError("a developer message needs content")
-        return USER + _extras(msg) + "\n\n# The user's message is: " + content + ASSISTANT + opens
+        return (USER + message_extras(msg, tools_prompt) + "\n\n# The user's message is: " + content
+                + ASSISTANT + opens)
     if role == "tool":
         return _render_tool(i, msgs, last_user, thinking)
     if role == "assistant":

@@ -11,10 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from pdserve.frontend.encoders.dsml_render import (ASSISTANT, BOS, DSML, EOS, RESPONSE_FORMAT, THINK_END,
+from pdserve.frontend.encoders.dsml_render import (ASSISTANT, BOS, DSML, EOS, THINK_END,
                                                    THINK_START, USER, EncodeError, Message, calls_of,
-                                                   functions_of, last_user_index, reasoning_of,
-                                                   render_calls_block, text_of, to_json, with_tools)
+                                                   functions_of, last_user_index, message_extras,
+                                                   reasoning_of, render_calls_block, text_of, to_json,
+                                                   with_tools)
 
 BLOCK = "tool_calls"
 EFFORT_MAX_PREAMBLE = (
@@ -134,25 +135,16 @@ def _drop_old_turns(msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _extras(msg: Message) -> str:
-    text = ""
-    if msg.get("tools"):
-        text += "\n\n" + tools_prompt(msg["tools"])
-    if msg.get("response_format"):
-        text += "\n\n" + RESPONSE_FORMAT.format(schema=to_json(msg["response_format"]))
-    return text
-
-
 def _render(i: int, msgs: Sequence[Message], last_user: int, thinking: bool, drop: bool) -> str:
     msg = msgs[i]
     role = msg.get("role")
     if role == "system":
-        text = text_of(msg.get("content")) + _extras(msg)
+        text = text_of(msg.get("content")) + message_extras(msg, tools_prompt)
     elif role == "developer":
         content = text_of(msg.get("content"))
         if not content:
             raise EncodeError("a developer message needs content")
-        text = USER + content + _extras(msg)
+        text = USER + content + message_extras(msg, tools_prompt)
     elif role == "user":
         text = USER + "\n\n".join(_block_text(b) for b in msg["blocks"])
     elif role == "assistant":
