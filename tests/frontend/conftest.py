@@ -28,6 +28,19 @@ SERVE_MAX_BODY = 1 << 20
 SERVE_STARTUP_S = 300
 
 
+def children_of(pid: int) -> list[int]:
+    """The pids whose parent is `pid`, from /proc."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.parent.name))
+    return out
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,24 +11,12 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.frontend.conftest import serve_command, start_server, stop_server
+from tests.frontend.conftest import children_of, serve_command, start_server, stop_server
 from tests.frontend.router_cases import API_KEY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def children_of(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
-    return out
 
 
 def alive(pid: int) -> bool:

@@ -251,12 +251,8 @@ def test_drain_refuses_new_requests_finishes_short_ones_and_stops_long_ones(defa
 
 
 @contextmanager
-def captured_logs(records: list[logging.LogRecord]) -> Iterator[None]:
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    handler = Keep()
+def logs_to(handler: logging.Handler) -> Iterator[None]:
+    """pdserve's INFO records, with their request ids, go to `handler` inside the block."""
     handler.addFilter(RequestIdFilter())
     log = logging.getLogger("pdserve")
     level = log.level
@@ -267,6 +263,16 @@ def captured_logs(records: list[logging.LogRecord]) -> Iterator[None]:
     finally:
         log.removeHandler(handler)
         log.setLevel(level)
+
+
+@contextmanager
+def captured_logs(records: list[logging.LogRecord]) -> Iterator[None]:
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    with logs_to(Keep()):
+        yield
 
 
 def test_a_stop_string_aborts_the_room_with_origin_router(default_model_dir, tokenizer):
@@ -377,18 +383,10 @@ def test_json_logs_carry_the_request_id_and_the_probes_are_not_logged(no_worker_
     out = io.StringIO()
     handler = logging.StreamHandler(out)
     handler.setFormatter(JSONFormatter("router"))
-    handler.addFilter(RequestIdFilter())
-    log = logging.getLogger("pdserve")
-    level = log.level
-    log.setLevel(logging.INFO)
-    log.addHandler(handler)
-    try:
+    with logs_to(handler):
         for path in ("/health", "/ready", "/metrics"):
             no_worker_client.get(path)
         no_worker_client.post(CHAT, json=chat(), headers={"X-Request-Id": "req-42", "Authorization": "Bearer test-key"})
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     access = [line for line in lines if line["logger"] == "pdserve.access"]
     assert [a["http"]["path"] for a in access] == [CHAT]  # no line for the probes and the scrape

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.metrics import ABORT_ORIGINS
 
-from tests.frontend.conftest import start_server, stop_server
+from tests.frontend.conftest import children_of, start_server, stop_server
 
 pytestmark = pytest.mark.e2e
 
@@ -58,18 +58,6 @@ def process_groups() -> dict[int, list[int]]:
             continue
         if fields[0] != "Z":
             out.setdefault(int(fields[2]), []).append(int(stat.parent.name))
-    return out
-
-
-def children_of(pid: int) -> list[int]:
-    out = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            out.append(int(stat.parent.name))
     return out
 
 
