@@ -139,9 +139,6 @@ class NixlEndpoint:
         except self.errors as e:
             raise TransportError(f"{type(e).__name__}: {e}") from e
 
-    def has_peer(self, peer: str) -> bool:
-        return peer in self._peers
-
     def add_peer(self, peer: str, metadata: bytes, layout: PoolLayout | None = None) -> None:
         """Load a peer's metadata, replacing a previous incarnation (NIXL refuses to load a
         known name again); with `layout`, prepare its descriptor list for writes into it."""
