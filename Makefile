@@ -6,7 +6,9 @@ PYTEST_ARGS ?=
 
 .PHONY: setup serve test bench clean
 
-setup: $(STAMP)
+CPU_KERNELS := $(VENV)/.pdserve-cpu-kernels
+
+setup: $(STAMP) $(CPU_KERNELS)
 
 $(STAMP): setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -17,6 +19,13 @@ $(STAMP): setup.py
 	# an independent NVFP4 producer for the checkpoint-format test (runs on CPU)
 	$(PY) -m pip install -q --no-deps nvidia-modelopt==0.47.0 omegaconf==2.4.0 PuLP==3.3.2 scipy==1.17.1
 	touch $(STAMP)
+
+# The native CPU kernels (csrc/cpu: AVX2 / AVX-512 VNNI, chosen at run time) with the system C++
+# compiler, cached in ~/.cache/pdserve/cpu-kernels by a hash of sources + flags + compiler. A
+# machine that cannot build them still sets up: the torch reference runs (logged).
+$(CPU_KERNELS): $(STAMP) $(wildcard csrc/cpu/*) kernels/cpu_lib.py
+	$(PY) -m pdserve_kernels.cpu_lib
+	touch $(CPU_KERNELS)
 
 serve: setup
 	$(VENV)/bin/pdserve serve
@@ -32,3 +41,13 @@ clean:
 .PHONY: kernels
 kernels: setup
 	$(PY) csrc/build.py --jobs 2 --out build/kernels
+
+# llama.cpp's own server, the CPU peer for bench/peers.py (not part of setup/test: ~7+ min on 2
+# cores). Builds into ~/.cache/pdserve/llama.cpp/build/bin.
+.PHONY: llama-cpp bench-peers
+llama-cpp:
+	bench/build_llama_cpp.sh
+
+# pdserve (PD and colocated) against llama-server, same streaming chat load; see bench/README.md.
+bench-peers: setup
+	$(PY) bench/peers.py

@@ -1,13 +1,17 @@
 """One-call GPU check of the compiled kernels: correctness against the torch reference on fresh
 random inputs, then timings against measured ceilings (copy bandwidth, bf16 matmul).
 
-    python bench/gpu_check.py [--json bench/results/gpu_check.json] [--quick] [--emulate]
+    python bench/gpu_check.py [--json bench/results/gpu_check.json] [--quick] [--emulate] [--engine]
 
 Every output is pre-filled with a NaN sentinel, so an element the kernel never wrote fails the
 check. On SM120 the block-scaled NVFP4 GEMM is checked too. Without a GPU it runs the reference
 computations on the CPU (so the script is known to work) and exits 0 with the reason;
 `--emulate` runs every check on the CPU with the references standing in for the kernels, which
 tests this harness (shapes, sentinels, layouts), not the kernels. Exit 1 when a check fails.
+
+`--engine` (on a GPU) also runs the engine end to end on CUDA (bfloat16, the default model) once
+per op backend (`--kernels torch`, then `native`: the csrc/ attention kernels inside the model),
+on the same greedy prompts, and compares them: the tokens agree, and decode tok/s of each.
 """
 from __future__ import annotations
 
@@ -329,12 +333,81 @@ def cpu_selftest() -> list[Check]:
     return [Check("cpu_selftest", "references", bool(ok), 0.0, 0.0, "no GPU: references only")]
 
 
+ENGINE_PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.",
+                  "List three prime numbers.", "Explain what a GPU is in one sentence."]
+
+
+@dataclass
+class EngineRun:
+    """One backend's end-to-end run: its choice as logged, tokens per prompt, decode speed."""
+
+    backend: str
+    selection: str
+    tokens: list[list[int]]
+    seconds: float
+    output_tokens: int
+
+    @property
+    def tok_s(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds else 0.0
+
+
+def run_engine(device: str, kernels: str, max_tokens: int, dtype: str = "bfloat16") -> EngineRun:
+    """Generate ENGINE_PROMPTS greedily (one batch, chat template) with `--kernels kernels`."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    llm = LLM(EngineConfig(device=device, dtype=dtype, kernels=kernels))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(ENGINE_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), chat=True)  # warm-up
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = llm.generate(ENGINE_PROMPTS, params, chat=True)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    tokens = [c.token_ids for c in out]
+    return EngineRun(kernels, llm.engine.kernels.describe(), tokens, seconds, sum(map(len, tokens)))
+
+
+def compare_engine_runs(ref: EngineRun, other: EngineRun, min_prefix: int = 8) -> Check:
+    """`other` against the torch reference run: every prompt's first `min_prefix` tokens equal
+    (bf16 greedy decoding may part later where two logits nearly tie: different summation
+    orders round differently), and the share of equal tokens reported."""
+    same = total = 0
+    prefix_ok = True
+    for a, b in zip(ref.tokens, other.tokens):
+        n = min(len(a), len(b))
+        agree = next((i for i in range(n) if a[i] != b[i]), n)
+        prefix_ok &= agree >= min(min_prefix, n) and len(a) == len(b)
+        same += sum(x == y for x, y in zip(a, b))
+        total += max(len(a), len(b))
+    share = same / total if total else 0.0
+    note = (f"{other.backend}: {share:.0%} tokens equal; {other.tok_s:.1f} tok/s vs torch "
+            f"{ref.tok_s:.1f} ({other.tok_s / ref.tok_s if ref.tok_s else 0:.2f}x); {other.selection}")
+    return Check("engine_" + other.backend, f"{len(ref.tokens)} prompts x {len(ref.tokens[0])} tok",
+                 prefix_ok and len(ref.tokens) == len(other.tokens), 1.0 - share, 1.0, note[:300])
+
+
+def engine_checks(device: str, max_tokens: int) -> tuple[list[Check], list[dict]]:
+    """Run the engine once per backend on `device` and compare each with the torch run."""
+    runs = [run_engine(device, k, max_tokens) for k in ("torch", "native")]
+    rows = [{"backend": r.backend, "selection": r.selection, "tok_s": r.tok_s, "seconds": r.seconds}
+            for r in runs]
+    return [compare_engine_runs(runs[0], r) for r in runs[1:]], rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, default=Path("bench/results/gpu_check.json"))
     parser.add_argument("--quick", action="store_true", help="checks only, no timings")
     parser.add_argument("--emulate", action="store_true",
                         help="CPU, references in place of the kernels: tests this script only")
+    parser.add_argument("--engine", action="store_true",
+                        help="also run the engine end to end on CUDA with each op backend and compare")
+    parser.add_argument("--engine-tokens", type=int, default=64, help="tokens per prompt in --engine")
     args = parser.parse_args(argv)
     global K
     K = Emulated if args.emulate else cuda_lib
@@ -364,6 +437,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.quick:
             report["ceilings"] = ceilings(dev)
             times = timings(dev, report["ceilings"], sm120)
+        if args.engine and not args.emulate:
+            try:
+                engine, report["engine"] = engine_checks("cuda", args.engine_tokens)
+            except Exception as err:  # noqa: BLE001 - any failure of the end-to-end run is a failed check
+                engine = [Check("engine", "-", False, math.inf, 0.0, repr(err)[:200])]
+            checks += engine
     report["checks"] = [asdict(c) for c in checks]
     report["timings"] = [asdict(t) for t in times]
     report["seconds"] = round(time.monotonic() - start, 1)

@@ -2,6 +2,7 @@
 
     python bench/offline.py [--batch-sizes 1,8,32,64] [--input-len 64] [--output-len 64]
                             [--threads 1] [--hf-max-batch 64] [--repeats 1] [--out PATH] [--quick]
+                            [--kernels auto|torch|native] [--op-bench]
 
 Every batch size runs the same random prompts (fixed length, greedy, every request made to emit
 exactly --output-len tokens) through the engine (all requests added at once, stepped until done)
@@ -9,6 +10,8 @@ and through `transformers` `generate()` (one left-padded batch). Prints a table,
 a PNG (tok/s, tok per CPU-second and ms/token vs concurrency) next to it. Per-token times come
 from when the caller sees each token: engine `step()` returns, and a logits-processor hook in
 transformers. Tokens per CPU-second of this process is the number to compare on a busy machine.
+The batch-1 decode step is set against the memory roofline (bytes of weights read per step ÷
+30 GB/s); `--op-bench` adds each op's time before and after (bench/op_bench.py).
 """
 from __future__ import annotations
 
@@ -172,6 +175,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=512, help="engine prefill budget per step")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS / "offline.json", help="JSON path (PNG next to it)")
+    p.add_argument("--kernels", default="auto", choices=["auto", "torch", "native"],
+                   help="the engine's op backend (pdserve_kernels)")
+    p.add_argument("--quantization", default="none",
+                   help="the engine's weights: none (fp32, what transformers also runs) | auto | gguf | int8 | int4")
+    p.add_argument("--op-bench", action="store_true",
+                   help="also time each fused/native op before and after (bench/op_bench.py)")
     p.add_argument("--quick", action="store_true", help="smoke run: batches 1,4; 16 in, 8 out")
     args = p.parse_args(argv)
     if args.quick:  # smaller defaults; flags given explicitly still win
@@ -203,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     print(f"{load_average()}; threads={args.threads}; model={model_dir}", flush=True)
     most = max(args.batch_sizes)
-    cfg = EngineConfig(model=args.model, threads=args.threads, max_num_seqs=most,
+    cfg = EngineConfig(model=args.model, threads=args.threads, kernels=args.kernels,
+                       quantization=args.quantization, max_num_seqs=most,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_memory=kv_bytes(model_dir, most, args.input_len + args.output_len, 16))
     llm = LLM(cfg)
@@ -222,14 +232,38 @@ def main(argv: list[str] | None = None) -> int:
     for c in cells:
         if c["hf_skipped"]:
             print(f"transformers skipped at batch {c['batch']}: {c['hf_skipped']}")
+    roof = batch1_roofline(llm, cells)
+    ops_rows = None
+    if args.op_bench:
+        import op_bench
+
+        ops_rows = op_bench.all_rows(sorted({1, most}))
+        print("\nper op, before (unfused / fp32 dense) and after (what the engine runs now):")
+        print(op_bench.report(ops_rows))
     print(f"start: {env['load_average']}; end: {load_average()}")
     data = {"benchmark": "offline", "args": _plain(vars(args)), "model_dir": str(model_dir),
-            "environment": env, "load_average_end": list(os.getloadavg()), "cells": cells}
+            "kernels": llm.engine.kernels.describe(), "environment": env,
+            "load_average_end": list(os.getloadavg()), "cells": cells, "roofline": roof, "ops": ops_rows}
     write_json(args.out, data)
     png = args.out.with_suffix(".png")
     plot(cells, png, f"{model_dir.name}: {args.input_len} in / {args.output_len} out, threads={args.threads}")
     print(f"wrote {args.out} and {png}")
     return 0
+
+
+def batch1_roofline(llm, cells: list[dict]) -> dict | None:
+    """The batch-1 decode step (median) against reading every weight once at the memory bandwidth."""
+    import op_bench
+
+    one = next((c for c in cells if c["batch"] == 1), None)
+    if one is None:
+        return None
+    roof = op_bench.roofline(llm.engine.model, one["engine"]["decode_step_ms_p50"] / 1e3)
+    print(f"\nbatch-1 decode step: {roof['measured_step_ms']:.2f} ms measured; weights read per step "
+          f"{roof['weight_bytes_per_step'] / 1e6:.1f} MB → {roof['roofline_step_ms']:.2f} ms at "
+          f"{op_bench.MEMORY_BW / 1e9:.0f} GB/s ({100 * roof['fraction_of_roofline']:.0f} % of the roofline; "
+          f"{roof['measured_tok_s']:.1f} tok/s of {roof['roofline_tok_s']:.0f} possible)")
+    return roof
 
 
 def measure(b: int, args: argparse.Namespace, llm, hf: tuple | None, vocab: int) -> dict:

@@ -1,16 +1,38 @@
 """Compute kernels behind one op API (import name `pdserve_kernels`).
 
-Two backends: `torch` (the reference, any device, used by every CPU test) and, later, `sm120`
-(CUTLASS kernels from csrc/, used when a capable GPU and the built library are present).
-This package imports nothing from `pdserve`.
+Each op has a torch reference (any device; every CPU test uses it) and may have native variants:
+the CPU kernels of csrc/cpu (built by `make setup`) and the CUDA kernels of csrc/ (built by
+`make kernels`). `configure(device, dtype, requested)` picks the backend once per process (see
+dispatch.py); layers call the ops through this module (`pdserve_kernels.paged_attention(...)`),
+so whatever was chosen is what runs. This package imports nothing from `pdserve`.
 """
 from __future__ import annotations
 
-from .attention import gather_kv, paged_attention, store_kv
+import functools
 
-__all__ = ["backend_name", "gather_kv", "paged_attention", "store_kv"]
+from . import attention, attention_cuda, cpu_lib, quant
+from .dispatch import (Availability, Backend, KernelsUnavailable, Selection, configure, current,
+                       register, register_library, select)
+
+__all__ = ["Availability", "Backend", "KernelsUnavailable", "Selection", "backend_name", "configure",
+           "current", "gather_kv", "paged_attention", "qmatmul", "register", "register_library", "select",
+           "store_kv"]
+
+gather_kv = attention.gather_kv
+
+# ---- native libraries: how each says whether it can run here ----------------------------
+register_library("cpu", lambda dtype: cpu_lib.availability())
+register_library("cuda", attention_cuda.availability)
+
+# ---- ops: the torch reference, then the native variant per device type (one line each) ----
+store_kv = register("store_kv", attention.store_kv)
+paged_attention = register("paged_attention", attention.paged_attention,
+                           cuda=attention_cuda.paged_attention_cuda)
+qmatmul = register("qmatmul", functools.partial(quant.qmatmul, force="torch"),
+                   cpu=functools.partial(quant.qmatmul, force="native"))
 
 
 def backend_name() -> str:
-    """The backend the op API dispatches to in this process."""
-    return "torch"
+    """The backend the op API dispatches to in this process ("torch" until `configure`)."""
+    sel = current()
+    return sel.backend.value if sel is not None else "torch"

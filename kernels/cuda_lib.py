@@ -11,10 +11,11 @@ import ctypes
 import functools
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .dispatch import Availability
 
 LIB_NAME = "libpdserve_kernels.so"
 ABI_VERSION = 1
@@ -51,18 +52,6 @@ class KernelError(RuntimeError):
     def __init__(self, entry: str, status: int) -> None:
         super().__init__(f"{entry}: {STATUS_NAMES.get(status, 'unknown status')} ({status})")
         self.status = status
-
-
-@dataclass(frozen=True)
-class Availability:
-    """Whether the compiled kernels can run here; false with the reason when not."""
-
-    ok: bool
-    reason: str
-    capability: tuple[int, int] | None = None
-
-    def __bool__(self) -> bool:
-        return self.ok
 
 
 def library_path() -> Path | None:

@@ -30,15 +30,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="DSA index keys of DeepSeek-V3.2/GLM-5 models in the KV cache: bfloat16 (the "
                         "default: fp8 keys lose long-context recall), fp8 (e4m3, one scale per token) or float32")
     p.add_argument("--threads", type=int, default=d.threads,
-                   help="torch CPU threads per process (0: torch's default; 1 is best when processes share cores)")
+                   help="torch CPU threads per process (0, the default: this machine's cores divided "
+                        "between the worker's ranks here)")
+    p.add_argument("--kernels", default=d.kernels, choices=["auto", "torch", "native"],
+                   help="compute kernels: torch (the reference), native (the compiled CPU or CUDA "
+                        "kernels; an error at start-up if they cannot run here) or auto (native where "
+                        "available, else torch); the choice is logged at start-up")
+    p.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
+                   help="weights kept quantized: gguf (a GGUF's Q4_0/Q4_1/Q8_0 blocks, e.g. the default "
+                        "model's), int8 / int4 (a float checkpoint quantized on load, groups of 32), none "
+                        "(the checkpoint as it is: fp32 for a converted GGUF) or auto (gguf on a CPU when "
+                        "the model has the blocks, else none)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                        threads=args.threads, nvfp4_mode=args.nvfp4_mode,
-                        index_cache_dtype=args.index_cache_dtype)
+                        threads=args.threads or _default_threads(args), kernels=args.kernels,
+                        nvfp4_mode=args.nvfp4_mode,
+                        index_cache_dtype=args.index_cache_dtype, quantization=args.quantization)
+
+
+def _default_threads(args: argparse.Namespace) -> int:
+    """No --threads: this process's share of the cores among the worker's ranks on this node."""
+    from pdserve.engine.threads import default_threads
+
+    ranks = getattr(args, "tp", 1) or 1
+    return default_threads(max(1, ranks // max(1, getattr(args, "nnodes", 1) or 1)))
 
 
 def _bytes(text: str) -> int:
@@ -117,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             w.set_defaults(func=cmd_worker, role=role)
 
-    from pdserve.frontend.cli import add_router_parser, add_serve_parser
+    from pdserve.frontend.cli import add_router_parser
+    from pdserve.launcher import add_serve_parser
     from pdserve.quantize import add_quantize_parser
 
     add_serve_parser(sub)

@@ -34,10 +34,8 @@ from typing import IO
 
 import httpx
 
-from pdserve.frontend.cli import MULTI_NODE_FLAGS, quiet_http_logs, resolve_model_dir, router_config
+from pdserve.frontend.cli import add_http_flags, add_model_flags, quiet_http_logs, resolve_model_dir, router_config
 from pdserve.frontend.config import RouterConfig
-from pdserve.frontend.output import check_output_profile
-from pdserve.parsers import ProfileError
 from pdserve.logs import setup_logging
 from pdserve.model_name import served_name
 
@@ -112,11 +110,25 @@ def worker_commands(args: argparse.Namespace, model_dir: Path) -> list[tuple[str
 def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = []
     for name in ("tp", "dtype", "device", "block_size", "kv_cache_memory", "max_num_seqs",
-                 "max_num_batched_tokens", "max_model_len", "threads", "index_cache_dtype"):
+                 "max_num_batched_tokens", "max_model_len", "threads", "index_cache_dtype", "kernels",
+                 "quantization"):
         value = getattr(args, name, None)
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     return flags
+
+
+def plan_threads(args: argparse.Namespace) -> None:
+    """Divide the cores between the workers' processes unless --threads says how many (logged)."""
+    from pdserve.engine.threads import serve_threads
+
+    plan = serve_threads(args.mode, args.tp or 1)
+    if getattr(args, "threads", None) is None:
+        args.threads = plan.per_process
+        logger.info("CPU threads (%s): %s", args.mode, plan.describe())
+    else:
+        logger.info("CPU threads (%s): %d per process (--threads) × %d process(es) on %d core(s)",
+                    args.mode, args.threads, plan.processes, plan.cores)
 
 
 def lifecycle_flags(args: argparse.Namespace) -> list[str]:
@@ -266,6 +278,9 @@ async def _serve_router(config: RouterConfig, host: str, port: int, children: li
 
 
 def serve(args: argparse.Namespace) -> int:
+    from pdserve.frontend.output import check_output_profile  # the router's own imports: only here
+    from pdserve.parsers import ProfileError
+
     def interrupted(signum: int, frame: FrameType | None) -> None:
         raise _Interrupted(signum)
 
@@ -275,7 +290,8 @@ def serve(args: argparse.Namespace) -> int:
     served = False
     try:
         model_dir = resolve_model_dir(args.model)
-        check_output_profile(model_dir)  # a tokenizer the output parser cannot read: before any worker
+        check_output_profile(model_dir, args.tool_call_parser)  # a tokenizer the output parser cannot read: before any worker
+        plan_threads(args)
         for name, cmd, url in worker_commands(args, model_dir):
             children.append(start_child(name, cmd, url, args.log_json))
         wait_ready(children, args.startup_timeout)
@@ -302,10 +318,60 @@ def serve(args: argparse.Namespace) -> int:
             signal.signal(s, handler)
 
 
+# ---- flags -------------------------------------------------------------------------------------
+
+
+def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("serve", help="router + one prefill and one decode worker on this machine",
+                              description="Start the workers as child processes, wait until they are "
+                                          "ready, then serve the OpenAI API.")
+    add_model_flags(p)
+    add_http_flags(p)
+    p.add_argument("--mode", choices=("pd", "colocated"), default="pd",
+                   help="pd: a prefill and a decode worker with KV transfer; colocated: one worker")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks per worker")
+    e = p.add_argument_group("engine flags (passed on to the workers)")
+    e.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
+    e.add_argument("--device", default=None, help="cpu or cuda[:N]")
+    e.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    e.add_argument("--kv-cache-memory", default=None, help="KV pool size per worker, e.g. 256MiB")
+    e.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once")
+    e.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    e.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads per worker process (default: this machine's cores divided "
+                        "between the workers' processes, at least 1 each)")
+    e.add_argument("--index-cache-dtype", default=None, choices=["bfloat16", "fp8", "float32"],
+                   help="DSA index keys in the KV cache (DeepSeek-V3.2/GLM-5; default bfloat16)")
+    e.add_argument("--kernels", default=None, choices=["auto", "torch", "native"],
+                   help="compute kernels of the workers: auto (default), torch or native")
+    e.add_argument("--quantization", default=None, choices=["auto", "none", "gguf", "int8", "int4"],
+                   help="weights kept quantized by the workers (default auto: the default model's GGUF "
+                        "blocks on a CPU; none: fp32)")
+    e.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
+                   help="one more argument for every worker command line (repeatable), "
+                        "e.g. --worker-arg=--health-stall-timeout=30")
+    p.add_argument("--startup-timeout", type=float, default=600.0,
+                   help="seconds to wait for the workers to be ready")
+    for flag in MULTI_NODE_FLAGS:
+        p.add_argument(flag, action=_WorkersOnly, help=argparse.SUPPRESS)
+    p.set_defaults(func=serve)
+    return p
+
+
+MULTI_NODE_FLAGS = ("--nnodes", "--node-rank", "--dist-init-addr")
+
+
+class _WorkersOnly(argparse.Action):
+    """A multi-node flag given to `serve`: refused with a message that says where it belongs."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} is a flag of `pdserve prefill | decode | worker`: `pdserve serve` runs "
+                     "every worker on this machine; start each node of a multi-node TP group with those "
+                     "commands (README: Tensor parallelism, Several machines)")
+
+
 def main(argv: list[str] | None = None) -> int:
     """`python -m pdserve.launcher FLAGS` runs `pdserve serve FLAGS`."""
-    from pdserve.frontend.cli import add_serve_parser
-
     parser = argparse.ArgumentParser(prog="python -m pdserve.launcher")
     add_serve_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])

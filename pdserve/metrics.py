@@ -125,6 +125,13 @@ class WorkerMetrics(_Base):
             "kv_transfer_failures", "KV transfers that failed (the room ended FAILED).")
         self.aborts = self._counter("aborts", "Requests aborted, by who asked.", "origin",
                                     ABORT_ORIGINS)
+        self.kv_rooms_live = self._gauge(
+            "kv_rooms_live", "KV transfer rooms open on this worker's rank 0 (not ended yet).")
+        self.kv_writes_in_flight = self._gauge(
+            "kv_writes_in_flight", "KV writes posted by rank 0 and not completed yet (prefill).")
+        self.kv_rooms_failed_peer_dead = self._counter(
+            "kv_rooms_failed_peer_dead",
+            "Rooms open when their peer worker died (killed, restarted or forgotten): failed.")
         self.late_messages_dropped = self._counter(
             "late_messages_dropped",
             "Messages for rooms that had already ended or were never known, dropped.")
@@ -166,6 +173,10 @@ class WorkerMetrics(_Base):
 
     def aborted(self, origin: str) -> None:
         self._inc(self.aborts, "origin", origin, ABORT_ORIGINS)
+
+    def transfer_gauges(self, *, rooms_live: int, writes_in_flight: int) -> None:
+        self.kv_rooms_live.set(rooms_live)
+        self.kv_writes_in_flight.set(writes_in_flight)
 
     def scheduler_step(self, step_s: float, agree_s: float) -> None:
         self.scheduler_step_time.observe(step_s)

@@ -321,10 +321,12 @@ def _plain(value: Any) -> Any:
 
 
 def _normalize_message(message: Any) -> dict[str, Any]:
-    """Drop None fields (templates handle missing keys, not None) and alias reasoning names."""
+    """Drop None fields (templates handle missing keys, not None) and alias reasoning names.
+    `content` stays, None included: DeepSeek V3/R1/V3.1 templates test `message['content'] is
+    none` to tell a tool-call turn, and fail on a missing key."""
     if not isinstance(message, dict):
         raise TypeError(f"chat messages must be dicts, got {message!r}")
-    out = {k: v for k, v in message.items() if v is not None}
+    out = {k: v for k, v in message.items() if v is not None or k == "content"}
     reasoning = next((out[k] for k in _REASONING_KEYS if out.get(k) is not None), None)
     if reasoning is not None:
         out = {"thinking": reasoning, **out, "reasoning_content": reasoning}

@@ -1,7 +1,7 @@
 """NVFP4 (E2M1 elements, E4M3 block scales, FP32 tensor scale): torch reference.
 
 Runs on any device; the CUDA kernels of `csrc/` are tested against it. Facts:
-shared/specs/nvfp4.md.
+docs/nvfp4.md.
 """
 from __future__ import annotations
 

@@ -18,8 +18,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512   # chunked-prefill token budget per step
     max_model_len: int | None = None    # default: the model's max_position_embeddings
-    threads: int = 0                    # torch CPU threads (0: torch's default)
+    threads: int = 0                    # torch CPU threads (0: leave torch's setting; the CLI gives the cores' share)
+    kernels: str = "auto"               # op backend: auto | torch | native (see pdserve_kernels)
     nvfp4_mode: str = "auto"            # NVFP4 checkpoints: auto | w4a16 | w4a4
+    quantization: str = "none"          # none | auto | gguf | int8 | int4 (pdserve.weights.quantization)
     index_cache_dtype: str = "bfloat16"  # DSA index keys (DeepSeek-V3.2, GLM-5): bfloat16 | fp8 | float32
 
     def torch_dtype(self) -> torch.dtype:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import json
 import logging
 
-from pdserve.engine.sequence import Sequence, TokenLogprobs
+from pdserve.engine.sequence import FinishReason, KVRole, Sequence, TokenLogprobs
 from pdserve.logs import about
-from pdserve.scheduler.plan import SampledToken, StepOutput, StepPlan, TransferOutcome
+from pdserve.scheduler.plan import (KVPeer, SampledToken, StepOutput, StepPlan, TransferKind,
+                                    TransferOutcome)
 from pdserve.transfer import (Fenced, RoomAborted, RoomDone, RoomFailed, RoomWritten, TransferSource,
                               TransferTarget, agent_name)
 
@@ -36,7 +37,7 @@ class KVLink:
         self.agent, self.rank = agent, rank
         self.is_target = isinstance(agent, TransferTarget)
         self._local: list[TransferOutcome] = []  # outcomes decided here (a refused write, ...)
-        self._peers: dict[str, dict] = {}  # prefill: where each admitted request's KV goes
+        self._peers: dict[str, KVPeer] = {}  # prefill: where each admitted request's KV goes
 
     def observe(self) -> list[TransferOutcome]:
         """This rank's transfer results since the last call."""
@@ -44,18 +45,19 @@ class KVLink:
         for ev in self.agent.poll():
             if isinstance(ev, RoomDone):
                 try:
-                    out.append(TransferOutcome(ev.room, "arrived", decode_first_token(ev.room, ev.payload)))
+                    token = decode_first_token(ev.room, ev.payload)
+                    out.append(TransferOutcome(ev.room, TransferKind.ARRIVED, token))
                 except (ValueError, KeyError, TypeError) as e:
                     self.agent.abort(ev.room)
-                    out.append(TransferOutcome(ev.room, "failed", error=f"bad completion payload: {e}"))
+                    out.append(failed(ev.room, f"bad completion payload: {e}"))
             elif isinstance(ev, RoomWritten):
-                out.append(TransferOutcome(ev.room, "written"))
+                out.append(TransferOutcome(ev.room, TransferKind.WRITTEN))
             elif isinstance(ev, RoomFailed):
-                out.append(TransferOutcome(ev.room, "failed", error=ev.reason))
+                out.append(failed(ev.room, ev.reason))
             elif isinstance(ev, RoomAborted):
-                out.append(TransferOutcome(ev.room, "failed", error="aborted by the peer worker"))
+                out.append(failed(ev.room, "aborted by the peer worker"))
             elif isinstance(ev, Fenced):
-                out.append(TransferOutcome(ev.room, "fenced"))
+                out.append(TransferOutcome(ev.room, TransferKind.FENCED))
         return out
 
     def act(self, plan: StepPlan, outputs: list[StepOutput], held: dict[str, Sequence]) -> None:
@@ -64,18 +66,18 @@ class KVLink:
             self.agent.abort(rid)  # idempotent; unknown rooms become tombstones
             self._peers.pop(rid, None)
         for t in plan.transfers:
-            if t.kind == "failed":  # failed on some rank: stop it on every rank, so all can fence
+            if t.kind is TransferKind.FAILED:  # failed on some rank: stop it on all, so all can fence
                 self.agent.abort(t.request_id)
         if self.is_target:
             for req in plan.admitted:
-                if req.kv == "decode":
-                    source = agent_name("prefill", req.peer["worker_id"], self.rank)
+                if req.kv is KVRole.DECODE:
+                    source = agent_name("prefill", req.peer.worker_id, self.rank)
                     if not self.agent.expect(req.request_id, source):
                         self._fail(req.request_id, "the room was aborted before its KV arrived")
             return
         self._peers.update((r.request_id, r.peer) for r in plan.admitted)
         for out in outputs:
-            if out.finish_reason == "prefilled" and out.token_id is not None:
+            if out.finish_reason is FinishReason.KV_PENDING:
                 self._send(out, held[out.request_id].block_table)
 
     def _send(self, out: StepOutput, blocks: list[int]) -> None:
@@ -84,8 +86,8 @@ class KVLink:
         if peer is None:
             return self._fail(rid, "no decode worker for this room")
         try:
-            name = self.agent.connect(peer["bootstrap"][self.rank].encode())
-            ok = self.agent.write(rid, name, blocks, peer["blocks"],
+            name = self.agent.connect(peer.bootstrap[self.rank].encode())
+            ok = self.agent.write(rid, name, blocks, list(peer.blocks),
                                   encode_first_token(SampledToken(rid, out.token_id, out.logprobs)))
         except Exception as e:  # a transport or layout error fails this room, never the loop
             logger.warning("room %s: cannot write KV to the decode worker: %s", rid, e, extra=about(rid))
@@ -94,4 +96,13 @@ class KVLink:
             self._fail(rid, "the room ended before its KV was sent")
 
     def _fail(self, rid: str, error: str) -> None:
-        self._local += [TransferOutcome(rid, "failed", error=error), TransferOutcome(rid, "fenced")]
+        self._local += failed_and_fenced(rid, error)
+
+
+def failed(rid: str, error: str) -> TransferOutcome:
+    return TransferOutcome(rid, TransferKind.FAILED, error=error)
+
+
+def failed_and_fenced(rid: str, error: str) -> list[TransferOutcome]:
+    """A room this rank failed before any write could start: nothing to wait for."""
+    return [failed(rid, error), TransferOutcome(rid, TransferKind.FENCED)]

@@ -12,6 +12,7 @@ import time
 
 import torch
 
+import pdserve_kernels as ops
 from pdserve.distributed import TPGroup
 from pdserve.distributed.comm import LocalComm
 from pdserve.distributed.trace import CollectiveTrace
@@ -20,12 +21,16 @@ from pdserve.layers.dsa import INDEX_DTYPES
 from pdserve.models import eos_token_ids, load_model, read_config
 from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
 from pdserve.scheduler.lockstep import LockstepLoop
+from pdserve.scheduler.plan import KVPeer
+from pdserve.scheduler.recent import RecentIds
 from pdserve.weights import resolve_model_path
 
 from .config import EngineConfig
 from .kv_link import KVLink
 from .model_runner import ModelRunner
 from .sampling_params import SamplingParams
+from .threads import apply_threads
+from .sequence import FinishReason, KVRole
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +41,19 @@ ABORT_TOMBSTONE_TTL_S = 300.0
 class LLMEngine:
     """Continuous-batching engine over one model, on token ids; thread-safe `add_request` / `abort`.
 
-    `kv_role` is "local" (prefill and decode here), "prefill" or "decode" (PD roles: the KV
-    travels through `attach_transfer`'s agent).
+    `kv_role`: LOCAL (prefill and decode here), PREFILL or DECODE (PD roles: the KV travels
+    through the link given to `attach_link`).
     """
 
-    def __init__(self, config: EngineConfig, kv_role: str = "local", tp: TPGroup | None = None,
+    def __init__(self, config: EngineConfig, kv_role: KVRole = KVRole.LOCAL, tp: TPGroup | None = None,
                  comm=None, digest_every: int = 0):
         self.config = config
         if config.threads:
-            # on a small CPU shared by several workers, one thread each beats contended OpenMP teams
-            torch.set_num_threads(config.threads)
+            # this rank's share of the cores (the CLI's default) or --threads: OpenMP teams
+            # must never share a core; 0 keeps torch's process-wide setting
+            apply_threads(config.threads)
+        # before the model loads: layers may pick their kernels when they are built
+        self.kernels = ops.configure(config.device, config.torch_dtype(), config.kernels)
         self.model_dir = resolve_model_path(config.model)
         hf_config = read_config(self.model_dir)
         dtype = config.torch_dtype()
@@ -55,7 +63,8 @@ class LLMEngine:
         self.comm = comm or LocalComm(self.trace)
         self.comm.trace = self.trace
         self.rank = tp.rank
-        self.model = load_model(self.model_dir, dtype, config.device, tp, config.nvfp4_mode)
+        self.model = load_model(self.model_dir, dtype, config.device, tp, config.nvfp4_mode,
+                                config.quantization)
         specs = self.model.cache_spec(dtype, INDEX_DTYPES[config.index_cache_dtype])
         num_blocks = KVPool.blocks_for_budget(config.kv_cache_memory, specs, config.block_size)
         self.pool = KVPool(specs, num_blocks, config.block_size, config.device)
@@ -65,31 +74,39 @@ class LLMEngine:
             SchedulerConfig(config.block_size, config.max_num_seqs, config.max_num_batched_tokens, max_len),
             self.allocator, eos_token_ids(self.model_dir))
         self.runner = ModelRunner(self.model, self.pool, config.device)
-        self.kv_role = kv_role
+        self.kv_role = KVRole(kv_role)
         self.loop = LockstepLoop(self.scheduler, self.comm, self.runner.run, None, digest_every, self.trace)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._carry: list = []  # inbox items held back by the plan-size budget
-        self._aborted: dict[str, float] = {}  # recent aborts: a late add of the same id is refused
+        # Aborts seen by rank 0's inbox, so that a request whose abort overtook it is refused when
+        # it comes. Its own store: the scheduler forgets ids it never admitted, the transfer
+        # agents' tombstones are per rank and per room, and an abort must win over a late add
+        # of a request that never had a room (colocated workers have no agent at all).
+        self._aborted = RecentIds(ttl_s=ABORT_TOMBSTONE_TTL_S)
 
-    def attach_transfer(self, agent, rank: int = 0) -> None:
+    def attach_link(self, link) -> None:
+        """Use a transfer link (`KVLink`, or a test's wrapper of one) in the lockstep loop."""
+        self.loop.link = link
+
+    def attach_transfer(self, agent, rank: int = 0) -> KVLink:
         """Use a transfer agent over this engine's pool (a target for decode, a source for prefill)."""
-        self.loop.link = KVLink(agent, rank)
+        link = KVLink(agent, rank)
+        self.attach_link(link)
+        return link
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                    peer: dict | None = None) -> None:
-        """Queue a request. PD roles pass `peer`: decode {"worker_id"} of the prefill worker;
-        prefill {"bootstrap": [per-rank info], "blocks": [decode block ids]}."""
+                    peer: KVPeer | None = None) -> None:
+        """Queue a request. PD roles pass their `peer` (see `KVPeer`)."""
         params.validate()
         self._inbox.put(NewRequest(request_id, list(prompt_ids), params, time.monotonic(),
                                    kv=self.kv_role, peer=peer))
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         """Abort at any moment (waiting, prefilling, decoding); unknown ids are ignored."""
-        self._inbox.put((request_id, reason))
+        self._inbox.put((request_id, FinishReason(reason)))
 
     def _drain(self) -> Inbox:
         inbox = Inbox()
-        now = time.monotonic()
         # a TP plan travels in a fixed-size buffer: admit at most what fits, the rest next step
         budget = (self.comm.plan_bytes or 1 << 62) // 2
         items, self._carry = self._carry, []
@@ -107,12 +124,10 @@ class LLMEngine:
                 budget -= cost
                 inbox.new.append(item)
                 if item.request_id in self._aborted:  # the abort overtook the request
-                    inbox.aborts.append((item.request_id, "abort"))
+                    inbox.aborts.append((item.request_id, FinishReason.ABORT))
             else:
                 inbox.aborts.append(item)
-                self._aborted[item[0]] = now
-        if len(self._aborted) > 1024:
-            self._aborted = {k: t for k, t in self._aborted.items() if now - t < ABORT_TOMBSTONE_TTL_S}
+                self._aborted.add(item[0])
         return inbox
 
     def step(self, shutdown: bool = False) -> tuple[StepPlan, list[StepOutput]]:

@@ -19,25 +19,31 @@ class ModelRunner:
 
     def metadata(self, batch: list[tuple[Sequence, int, int]]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Input ids, positions and attention metadata of a batch of chunks."""
+        """Input ids, positions and attention metadata of a batch of chunks.
+
+        Built from Python lists into two tensors (ids, positions and slots in one, the padded
+        block tables in the other), each moved to the device with one copy: per step, the cost
+        is a few list operations per token and no per-sequence tensor."""
         bs = self.pool.block_size
-        ids, positions, slots, starts, lens = [], [], [], [0], []
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts, lens = [0], []
+        width = max(len(seq.block_table) for seq, _, _ in batch)
+        tables = []
         for seq, start, n in batch:
-            tokens = seq.token_ids
-            ids += tokens[start:start + n]
+            ids += _tokens(seq, start, n)
             positions += range(start, start + n)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             starts.append(starts[-1] + n)
             lens.append(start + n)
-        width = max(len(seq.block_table) for seq, _, _ in batch)
-        tables = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, (seq, _, _) in enumerate(batch):
-            tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table)
-        dev = self.device
-        meta = AttentionMetadata(starts, lens, tables.to(dev), torch.tensor(slots, device=dev),
-                                 self.pool.layers)
-        return torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), meta
+            tables.append(table + [0] * (width - len(table)))
+        t = len(ids)
+        flat = torch.tensor(ids + positions + slots, dtype=torch.long).to(self.device)
+        meta = AttentionMetadata(starts, lens, torch.tensor(tables, dtype=torch.long).to(self.device),
+                                 flat[2 * t:], self.pool.layers)
+        return flat[:t], flat[t:2 * t], meta
 
     @torch.inference_mode()
     def run(self, batch: list[tuple[Sequence, int, int]], sample_tokens: bool = True) -> list[SampledToken]:
@@ -52,9 +58,23 @@ class ModelRunner:
         ends = [i for i, (seq, start, n) in enumerate(batch) if start + n == seq.num_tokens]
         if not ends:
             return []
-        last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in ends], device=self.device)
-        logits = self.model.compute_logits(hidden[last])
+        if len(ends) == hidden.shape[0]:  # decode: every row is a sequence's last token
+            last_hidden = hidden
+        else:
+            last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in ends], device=self.device)
+            last_hidden = hidden[last]
+        logits = self.model.compute_logits(last_hidden)
         if not sample_tokens:
             return []
         seqs = [batch[i][0] for i in ends]
         return [SampledToken(seq.request_id, tok, lp) for seq, (tok, lp) in zip(seqs, sample(logits, seqs))]
+
+
+def _tokens(seq: Sequence, start: int, n: int) -> list[int]:
+    """Token ids start..start+n of `seq` without copying its whole history (decode reads one)."""
+    p = len(seq.prompt_ids)
+    if start >= p:
+        return seq.output_ids[start - p:start - p + n]
+    if start + n <= p:
+        return seq.prompt_ids[start:start + n]
+    return seq.prompt_ids[start:] + seq.output_ids[:start + n - p]

@@ -13,6 +13,8 @@ from pdserve.engine.sequence import Sequence, TokenLogprobs
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
     """Sample one token for each row of `logits` `[len(seqs), vocab]`."""
+    if all(_plain_greedy(seq) for seq in seqs):  # the common case: one argmax for the batch
+        return [(token, None) for token in logits.argmax(dim=-1).tolist()]
     logits = logits.float().clone()
     out = []
     for i, seq in enumerate(seqs):
@@ -20,6 +22,14 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenL
         token = _draw(row, seq)
         out.append((token, _logprobs(row, token, seq.params.logprobs)))
     return out
+
+
+def _plain_greedy(seq: Sequence) -> bool:
+    """Greedy with nothing that changes the logits and no logprobs: the argmax is the token."""
+    p = seq.params
+    return (p.greedy and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
+            and not p.presence_penalty and not p.frequency_penalty
+            and (len(seq.output_ids) >= p.min_tokens))
 
 
 def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:

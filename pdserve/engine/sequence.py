@@ -10,10 +10,53 @@ from .sampling_params import SamplingParams
 
 
 class SequenceStatus(enum.Enum):
-    WAITING = "waiting"    # queued, or preempted (its cache dropped, to be recomputed)
-    RUNNING = "running"    # holds blocks, is prefilling or decoding
-    HELD = "held"          # holds blocks for a KV transfer (decode: arriving; prefill: leaving)
+    """Where a request is in its life. The three held states mean a KV transfer may touch its
+    blocks; `scheduler/lifecycle.py` is the one table of how they change."""
+
+    WAITING = "waiting"          # queued, or preempted (its cache dropped, to be recomputed)
+    RUNNING = "running"          # holds blocks, is prefilling or decoding
+    AWAITING_KV = "awaiting_kv"  # decode: blocks allocated, the KV and first token not landed yet
+    SENDING = "sending"          # prefill: first token sampled, its KV being written to decode
+    DRAINING = "draining"        # ended while a write may still touch its blocks: waits for the fence
     FINISHED = "finished"
+
+    @property
+    def held(self) -> bool:
+        return self in _HELD
+
+
+_HELD = frozenset({SequenceStatus.AWAITING_KV, SequenceStatus.SENDING, SequenceStatus.DRAINING})
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request's output ends. A `str`, so the values travel as-is in JSON."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+    # prefill only, two distinct steps of the hand-off to the decode worker:
+    KV_PENDING = "kv_pending"  # the first token is sampled; the KV and it are about to be sent
+    PREFILLED = "prefilled"    # the KV and first token were written: this worker's part is done
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class KVRole(str, enum.Enum):
+    """Where a request's KV cache comes from and goes to (see scheduler.plan.NewRequest)."""
+
+    LOCAL = "local"      # prefill and decode here
+    PREFILL = "prefill"  # prefill here, then hand the KV to a decode worker
+    DECODE = "decode"    # the KV arrives from a prefill worker into blocks allocated now
+
+    @classmethod
+    def of_worker(cls, role: str) -> KVRole:
+        """The KV role of a worker's requests, from the worker's role (prefill | decode | both)."""
+        try:
+            return {"both": cls.LOCAL, "prefill": cls.PREFILL, "decode": cls.DECODE}[role]
+        except KeyError:
+            raise ValueError(f"unknown worker role {role!r}") from None
 
 
 @dataclass
@@ -40,9 +83,9 @@ class Sequence:
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
-    kv: str = "local"  # "local" | "prefill" | "decode" (see scheduler.plan.NewRequest)
+    kv: KVRole = KVRole.LOCAL
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:
@@ -61,16 +104,16 @@ class Sequence:
         """Tokens whose KV is not yet computed (the whole prompt at first, then one per decode)."""
         return self.num_tokens - self.num_computed
 
-    def stop_reason(self, token: int, num_outputs: int) -> str | None:
-        """Why generation ends once `token` is the `num_outputs`-th output ("stop" / "length")."""
+    def stop_reason(self, token: int, num_outputs: int) -> FinishReason | None:
+        """Why generation ends once `token` is the `num_outputs`-th output."""
         n = num_outputs
-        if self.kv == "prefill":
-            return "prefilled"  # the first token travels with the KV to the decode worker
+        if self.kv is KVRole.PREFILL:
+            return FinishReason.KV_PENDING  # the first token travels with the KV to the decode worker
         if n >= self.params.min_tokens:
             if not self.params.ignore_eos and token in self.eos_token_ids:
-                return "stop"
+                return FinishReason.STOP
             if token in self.params.stop_token_ids:
-                return "stop"
+                return FinishReason.STOP
         if n >= self.params.max_tokens or len(self.prompt_ids) + n >= self.max_len:
-            return "length"
+            return FinishReason.LENGTH
         return None

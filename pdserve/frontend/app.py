@@ -1,4 +1,20 @@
-"""The router's FastAPI app: the OpenAI routes, /health, /ready, /metrics, and error mapping.
+"""The router's HTTP edge: the FastAPI app, its routes (the OpenAI API, /health, /ready,
+/metrics), the middleware every request passes, and the mapping of every error to an OpenAI
+error object.
+
+Middleware (``RequestContextMiddleware``), before a handler runs:
+
+* the request id: X-Request-Id accepted (or made), stored in ``scope["state"]`` with the
+  arrival time, sent back, and set as the logging context (``pdserve.logs.REQUEST_ID``) so
+  every log line about the request carries it. Workers keep a tombstone for every room that
+  ended and refuse a room id they have seen, so a client that reuses its X-Request-Id (a retry)
+  must not reuse the room id: the second use of an id within the remembered window gets a
+  suffix (``RequestIds``);
+* the API key: ``Authorization: Bearer <key>`` on /v1/* when the router has one (401 otherwise);
+* the body limit: 413 for a Content-Length over the limit, or once more bytes than that arrive;
+* the drain: once the router drains, /v1/* gets 503 with Retry-After; calls under way are
+  counted (``Calls.active``) so the drain knows when none is left;
+* the access log: one line per request, except the probes' and scrapers' paths.
 
 Handlers read the body themselves (content type, JSON, then the pydantic model), so every way a
 body can be wrong ends as a 400 OpenAI error object, as does FastAPI's own 422.
@@ -9,9 +25,13 @@ models first learns that requests would fail. Both probes list the workers and t
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
+import re
 import time
+import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
@@ -21,20 +41,23 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdserve.frontend.chat import create_chat_completion
-from pdserve.frontend.completions import create_completion
 from pdserve.frontend.config import RouterConfig
-from pdserve.frontend.errors import APIError, from_status, internal, invalid, unavailable, validation_message
-from pdserve.frontend.middleware import RETRY_AFTER_S, RequestContextMiddleware
+from pdserve.frontend.errors import (RETRY_AFTER_S, APIError, bad_api_key, from_status, internal, invalid,
+                                     too_large, unavailable, validation_message)
 from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.frontend.requests import Call, Calls, Serving, create_chat_completion, create_completion
 from pdserve.frontend.server import Router
-from pdserve.frontend.serving import Call
+from pdserve.logs import REQUEST_ID
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
+access_log = logging.getLogger("pdserve.access")
 M = TypeVar("M", bound=BaseModel)
+QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers: no access log
+_VALID_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 
 
 def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> FastAPI:
@@ -50,30 +73,33 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
 
     app = FastAPI(title="pdserve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.router = router
-    app.add_middleware(RequestContextMiddleware, router=router)
+    ids = RequestIds()
+    serving = router.serving
+    app.add_middleware(RequestContextMiddleware, calls=router.calls, api_key=config.api_key,
+                       max_body=config.max_request_bytes)
     _add_error_handlers(app)
     started = int(time.time())
 
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
         _check_ready(router)
-        return {"object": "list", "data": [_model_card(router, started)]}
+        return {"object": "list", "data": [_model_card(serving, started)]}
 
     @app.get("/v1/models/{model:path}")
     async def get_model(model: str) -> dict[str, Any]:
-        router.check_model(model)
+        serving.check_model(model)
         _check_ready(router)
-        return _model_card(router, started)
+        return _model_card(serving, started)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = await _parse(request, CompletionRequest)
-        return await create_completion(router, req, _call(router, request))
+        return await create_completion(serving, req, _call(ids, request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
-        return await create_chat_completion(router, req, _call(router, request))
+        return await create_chat_completion(serving, req, _call(ids, request))
 
     @app.get("/health")
     async def health() -> Response:
@@ -106,14 +132,14 @@ def _check_ready(router: Router) -> None:
         raise unavailable("The model is not being served right now: no worker is ready.")
 
 
-def _model_card(router: Router, created: int) -> dict[str, Any]:
-    return {"id": router.config.served_model_name, "object": "model", "created": created,
-            "owned_by": "pdserve", "max_model_len": router.max_model_len}
+def _model_card(serving: Serving, created: int) -> dict[str, Any]:
+    return {"id": serving.config.served_model_name, "object": "model", "created": created,
+            "owned_by": "pdserve", "max_model_len": serving.max_model_len}
 
 
-def _call(router: Router, request: Request) -> Call:
+def _call(ids: RequestIds, request: Request) -> Call:
     rid = request.state.request_id
-    return Call(request.url.path, rid, router.ids.room_base(rid), request, request.state.arrival)
+    return Call(request.url.path, rid, ids.room_base(rid), request, request.state.arrival)
 
 
 async def _parse(request: Request, model: type[M]) -> M:
@@ -163,3 +189,128 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("[%s] unexpected error", getattr(request.state, "request_id", "-"))
         return reply(request, internal(f"Internal error: {type(exc).__name__}"))
+
+
+# ---- middleware ---------------------------------------------------------------------------------
+
+
+class RequestContextMiddleware:
+    """What every request gets before a handler runs (see the module's docstring)."""
+
+    def __init__(self, app: ASGIApp, calls: Calls, api_key: str | None, max_body: int) -> None:
+        self.app = app
+        self.calls = calls
+        self.api_key = api_key
+        self.max_body = max_body
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        state = scope.setdefault("state", {})
+        path = scope["path"]
+        status_seen: list[int] = []
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status_seen.append(message["status"])
+                message["headers"] = [*message.get("headers", []),
+                                      (b"x-request-id", state.get("request_id", "").encode("latin-1"))]
+            await send(message)
+
+        state["arrival"] = time.monotonic()
+        state["request_id"] = client_id(None)
+        api = path.startswith("/v1/")
+        token = REQUEST_ID.set(state["request_id"])
+        counted = False
+        try:
+            state["request_id"] = client_id(headers.get("x-request-id"))
+            REQUEST_ID.set(state["request_id"])
+            if api and self.calls.draining:
+                raise unavailable("The server is shutting down; retry the request.")
+            if api and self.api_key is not None and not self._authorized(headers):
+                raise bad_api_key()
+            length = headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > self.max_body:
+                raise too_large(self.max_body)
+        except APIError as e:
+            await send_error(send_with_id, e)
+        else:
+            if api:
+                self.calls.active += 1
+                counted = True
+            await self.app(scope, self._limited(receive), send_with_id)
+        finally:
+            if counted:
+                self.calls.active -= 1
+            if path not in QUIET_PATHS:
+                _log_access(scope, status_seen[0] if status_seen else 0, state["arrival"])
+            REQUEST_ID.reset(token)
+
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
+                                                                  (self.api_key or "").encode())
+
+    def _limited(self, receive: Receive) -> Receive:
+        seen = 0
+
+        async def wrapped() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise too_large(self.max_body)
+            return message
+
+        return wrapped
+
+
+def _log_access(scope: Scope, status: int, arrival: float) -> None:
+    ms = (time.monotonic() - arrival) * 1000
+    client = scope.get("client")
+    http = {"method": scope["method"], "path": scope["path"], "status": status,
+            "duration_ms": round(ms, 1), "client": f"{client[0]}:{client[1]}" if client else None}
+    access_log.info("%s %s %s %.1f ms", scope["method"], scope["path"], status or "-", ms,
+                    extra={"http": http})
+
+
+async def send_error(send: Send, error: APIError) -> None:
+    """`error` as a complete JSON response; a 503 says when to retry, a 401 which scheme."""
+    body = json.dumps(error.body()).encode()
+    headers: list[Any] = [(b"content-type", b"application/json"),
+                          (b"content-length", str(len(body)).encode())]
+    if error.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    if error.status == 503:
+        headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def client_id(header: str | None) -> str:
+    """The X-Request-Id to answer with: the client's if well-formed, else a new one."""
+    if header is None or header == "":
+        return uuid.uuid4().hex
+    if not _VALID_ID.fullmatch(header):
+        raise invalid("X-Request-Id must be 1-128 printable ASCII characters without spaces",
+                      "X-Request-Id")
+    return header
+
+
+class RequestIds:
+    """Room ids from client request ids, never handed out twice in the remembered window."""
+
+    def __init__(self, remember: int = 65536) -> None:
+        self._seen: OrderedDict[str, int] = OrderedDict()
+        self._remember = remember
+
+    def room_base(self, request_id: str) -> str:
+        """A worker-side id derived from `request_id`, never handed out twice in the window."""
+        uses = self._seen.pop(request_id, 0)
+        self._seen[request_id] = uses + 1
+        while len(self._seen) > self._remember:
+            self._seen.popitem(last=False)
+        return request_id if uses == 0 else f"{request_id}~{uses}"

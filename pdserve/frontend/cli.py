@@ -1,6 +1,7 @@
-"""`pdserve router` and `pdserve serve`: their flags and entry points.
+"""`pdserve router`: its flags and entry point, and the flags `pdserve serve` shares with it.
 
-``pdserve.cli`` registers both with ``add_router_parser(sub)`` and ``add_serve_parser(sub)``.
+``pdserve.cli`` registers it with ``add_router_parser(sub)``; `pdserve serve` is
+``pdserve.launcher`` (which imports this module; nothing here imports the launcher).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
     p = subparsers.add_parser("router", help="the OpenAI-compatible router in front of running workers",
                               description="Serve the OpenAI API, routing each request to a prefill and "
                                           "a decode worker (or a colocated one).")
-    _model_flags(p)
+    add_model_flags(p)
     p.add_argument("--prefill", nargs="+", action="extend", default=[], metavar="URL",
                    help="prefill worker URL(s), e.g. http://127.0.0.1:8100")
     p.add_argument("--decode", nargs="+", action="extend", default=[], metavar="URL",
@@ -35,63 +36,25 @@ def add_router_parser(subparsers: argparse._SubParsersAction) -> argparse.Argume
                             "PORT; re-resolved every --discover-interval seconds (repeatable)")
     d.add_argument("--discover-interval", type=float, default=5.0, metavar="S",
                    help="seconds between two resolutions of the --discover-* names")
-    _http_flags(p)
+    add_http_flags(p)
     p.set_defaults(func=cmd_router)
     return p
 
 
-def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("serve", help="router + one prefill and one decode worker on this machine",
-                              description="Start the workers as child processes, wait until they are "
-                                          "ready, then serve the OpenAI API.")
-    _model_flags(p)
-    _http_flags(p)
-    p.add_argument("--mode", choices=("pd", "colocated"), default="pd",
-                   help="pd: a prefill and a decode worker with KV transfer; colocated: one worker")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks per worker")
-    e = p.add_argument_group("engine flags (passed on to the workers)")
-    e.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
-    e.add_argument("--device", default=None, help="cpu or cuda[:N]")
-    e.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
-    e.add_argument("--kv-cache-memory", default=None, help="KV pool size per worker, e.g. 256MiB")
-    e.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once")
-    e.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
-    e.add_argument("--threads", type=int, default=1, help="torch CPU threads per worker")
-    e.add_argument("--index-cache-dtype", default=None, choices=["bfloat16", "fp8", "float32"],
-                   help="DSA index keys in the KV cache (DeepSeek-V3.2/GLM-5; default bfloat16)")
-    e.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
-                   help="one more argument for every worker command line (repeatable), "
-                        "e.g. --worker-arg=--health-stall-timeout=30")
-    p.add_argument("--startup-timeout", type=float, default=600.0,
-                   help="seconds to wait for the workers to be ready")
-    for flag in MULTI_NODE_FLAGS:
-        p.add_argument(flag, action=_WorkersOnly, help=argparse.SUPPRESS)
-    p.set_defaults(func=cmd_serve)
-    return p
-
-
-MULTI_NODE_FLAGS = ("--nnodes", "--node-rank", "--dist-init-addr")
-
-
-class _WorkersOnly(argparse.Action):
-    """A multi-node flag given to `serve`: refused with a message that says where it belongs."""
-
-    def __call__(self, parser, namespace, values, option_string=None) -> None:
-        parser.error(f"{option_string} is a flag of `pdserve prefill | decode | worker`: `pdserve serve` runs "
-                     "every worker on this machine; start each node of a multi-node TP group with those "
-                     "commands (README: Tensor parallelism, Several machines)")
-
-
-def _model_flags(p: argparse.ArgumentParser) -> None:
+def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="model directory or .gguf file (default: SmolLM2-135M-Instruct); the router "
                         "reads its tokenizer and chat template")
     p.add_argument("--served-model-name", default=None,
                    help="the model name clients use (default: SmolLM2-135M-Instruct for the default "
                         "model, else the --model value)")
+    p.add_argument("--tool-call-parser", default=None, metavar="NAME", type=_parser_name,
+                   help="the output grammar (tool calls, reasoning) to parse instead of the one the "
+                        "tokenizer, chat template and config.json imply: deepseek_v3 (deepseek_r1), "
+                        "deepseek_v31, deepseek_v32, deepseek_v4, glm, hermes (qwen), plain")
 
 
-def _http_flags(p: argparse.ArgumentParser) -> None:
+def add_http_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port of the OpenAI API")
     p.add_argument("--api-key", default=None,
@@ -111,12 +74,27 @@ def _http_flags(p: argparse.ArgumentParser) -> None:
 
 def _name_port(text: str) -> str:
     from pdserve.frontend.discovery import parse_target
-    from pdserve.frontend.workers import Role
+    from pdserve.worker_api import Role
 
     try:
         return parse_target(Role.BOTH, text).name
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _parser_names() -> list[str]:
+    from pdserve.parsers import PARSER_NAMES
+
+    return sorted(PARSER_NAMES)
+
+
+def _parser_name(text: str) -> str:
+    """A --tool-call-parser name as resolve_profile reads it (case, `-` and `.` are forgiven)."""
+    from pdserve.parsers import PARSER_NAMES
+
+    if text.strip().lower().replace("-", "_").replace(".", "") not in PARSER_NAMES:
+        raise argparse.ArgumentTypeError(f"unknown tool-call parser {text!r}; one of {', '.join(_parser_names())}")
+    return text
 
 
 def _positive(text: str) -> int:
@@ -137,7 +115,8 @@ def router_config(args: argparse.Namespace, model_dir: Path, prefill: list[str],
                         discover_interval_s=getattr(args, "discover_interval", 5.0),
                         api_key=api_key(args), stream_batch=args.stream_batch,
                         max_request_bytes=args.max_request_bytes, max_model_len=args.max_model_len,
-                        drain_timeout_s=args.drain_timeout)
+                        drain_timeout_s=args.drain_timeout,
+                        tool_call_parser=getattr(args, "tool_call_parser", None))
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -194,9 +173,3 @@ def cmd_router(args: argparse.Namespace) -> int:
     config = router_config(args, resolve_model_dir(args.model), args.prefill, args.decode, args.worker)
     logger.info("router on http://%s:%d/v1 for %s", args.host, args.port, config.served_model_name)
     return run_router(config, args.host, args.port)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    from pdserve.launcher import serve
-
-    return serve(args)

@@ -23,6 +23,7 @@ class RouterConfig:
     stream_batch: int = 1                 # up to this many tokens per SSE event
     max_request_bytes: int = 8 << 20      # larger bodies get 413
     max_model_len: int | None = None      # None: the smallest of the workers' /info
+    tool_call_parser: str | None = None   # a pdserve.parsers.PARSER_NAMES name; None: from the model
     health_interval_s: float = 0.5        # how often every worker's /health and /load are polled
     health_timeout_s: float = 5.0         # one probe's deadline (a late answer still shows life)
     dead_after_s: float = 1.5             # no answer at all for this long: out, in-flight failed

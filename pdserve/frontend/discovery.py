@@ -13,7 +13,8 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
-from pdserve.frontend.workers import Role, WorkerPool
+from pdserve.frontend.workers import WorkerPool
+from pdserve.worker_api import Role
 
 logger = logging.getLogger(__name__)
 Resolver = Callable[[str, int], Awaitable[list[str]]]

@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+RETRY_AFTER_S = 5  # what a 503 (no worker, shutting down) tells the client to wait before a retry
+
 
 @dataclass
 class APIError(Exception):

@@ -15,22 +15,23 @@ import json
 import logging
 import secrets
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, Union
+from typing import Protocol, Union
 
 from pdserve.frontend.prompts import PromptStyle
 from pdserve.frontend.tools import ToolPolicy
-from pdserve.parsers import (ContentDelta, Diag, Diagnostic, Event, Finish, FinishReason, Format, Profile,
-                             ReasoningDelta, StreamParser, ToolCallArgs, ToolCallEnd, ToolCallStart,
+from pdserve.parsers import (ContentDelta, Diag, Diagnostic, Event, Finish, FinishReason, Format, InvalidCall,
+                             Profile, ReasoningDelta, StreamParser, ToolCallArgs, ToolCallEnd, ToolCallStart,
                              ProfileError, make_parser, resolve_profile)
 from pdserve.textstream import TextStream
 from pdserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-# What a delta is made of: the parser's text and tool-call events, in the order they happened.
-Part = Union[ContentDelta, ReasoningDelta, ToolCallStart, ToolCallArgs, ToolCallEnd]
+# What a delta is made of: the parser's text and tool-call events, in the order they happened
+# (InvalidCall: a call the model wrote that is reported apart, never returned as a call).
+Part = Union[ContentDelta, ReasoningDelta, ToolCallStart, ToolCallArgs, ToolCallEnd, InvalidCall]
 _REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.TOOL_CALLS: "tool_calls",
             FinishReason.ERROR: "stop"}
 
@@ -200,15 +201,18 @@ class ChatOutput:
     on_diagnostic: Callable[[str], None] | None = None  # metrics: called with each diagnostic's kind
 
     @classmethod
-    def load(cls, model_dir: Path, tokenizer: Tokenizer) -> ChatOutput:
+    def load(cls, model_dir: Path, tokenizer: Tokenizer, override: str | None = None) -> ChatOutput:
         """Raises ``pdserve.parsers.ProfileError`` when a marker the grammar needs as one token
-        is not one in this tokenizer: the router must not start then. Qwen models from before
-        tool calling (no `<tool_call>` token: Qwen1.5, Qwen2) get the plain profile instead."""
+        is not one in this tokenizer, or `override` (``--tool-call-parser``) is not a parser
+        name: the router must not start then. Without an override, Qwen models from before tool
+        calling (no `<tool_call>` token: Qwen1.5, Qwen2) get the plain profile instead. The chat
+        template tells DeepSeek V3/R1 calls from V3.1 calls."""
         hint = model_type_hint(model_dir)
+        template = tokenizer.chat_templates.get("default")
         try:
-            profile = resolve_profile(tokenizer, hint)
+            profile = resolve_profile(tokenizer, hint, chat_template=template, override=override)
         except ProfileError as e:
-            if hint is None or "qwen" not in hint.lower():
+            if override is not None or hint is None or "qwen" not in hint.lower():
                 raise
             logger.warning("%s; serving %s without tool calls", e, hint)
             profile = resolve_profile(tokenizer, "plain")
@@ -234,9 +238,9 @@ class ChatOutput:
         return ParsedDecoder(make_parser(self.profile, options), stop, policy, self.on_diagnostic)
 
 
-def check_output_profile(model_dir: Path) -> None:
+def check_output_profile(model_dir: Path, override: str | None = None) -> None:
     """For launchers, before any worker starts: ``ProfileError`` when the router would refuse."""
-    ChatOutput.load(model_dir, Tokenizer(model_dir))
+    ChatOutput.load(model_dir, Tokenizer(model_dir), override)
 
 
 def model_type_hint(model_dir: Path) -> str | None:
@@ -252,17 +256,3 @@ def model_type_hint(model_dir: Path) -> str | None:
 
 def completion_decoder(tokenizer: Tokenizer, stop: list[str]) -> OutputDecoder:
     return TextDecoder(tokenizer, stop)
-
-
-@dataclass
-class TokenLogprob:
-    """One sampled token's logprob and its top alternatives, as a decode worker reports it."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-    @staticmethod
-    def from_wire(obj: dict[str, Any]) -> TokenLogprob:
-        return TokenLogprob(int(obj["token_id"]), float(obj["logprob"]),
-                            [(int(t), float(lp)) for t, lp in obj.get("top") or []])

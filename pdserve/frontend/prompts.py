@@ -3,7 +3,10 @@
 Chat prompts: DeepSeek V3.2 and V4 ship Python encoders instead of Jinja templates, so their
 messages (tools in the system prompt, assistant tool calls rendered back, tool results,
 `thinking` from ``chat_template_kwargs``) go through ``encoders``; every other model through its
-own chat template, with the request's tools. Workers see token ids only. Long texts are
+own chat template, with the request's tools. DeepSeek V3/R1 and V3.1 templates need the OpenAI
+shapes as they are (`arguments` a JSON string, `content: null` beside tool calls) and do not
+render `tools` at all: their tools go into the system prompt here, in the format DeepSeek
+documents for V3.1 (``dsv3_tools_prompt``). Workers see token ids only. Long texts are
 tokenized in a thread so that one big prompt does not stall every stream on the event loop.
 """
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -29,13 +33,16 @@ T = TypeVar("T")
 
 class PromptStyle(Enum):
     TEMPLATE = "template"  # the tokenizer's Jinja chat template
+    DSV3 = "deepseek_v3"   # the Jinja template, DeepSeek V3/R1 shapes (see the module docstring)
+    DSV31 = "deepseek_v31"  # the same for V3.1 (its own call format in the tools section)
     DSV32 = "deepseek_v32"
     DSV4 = "deepseek_v4"
 
     @classmethod
     def for_profile(cls, profile_name: str) -> PromptStyle:
         """DeepSeek V3.2/V4 profiles are encoded by the reference encoders, whatever else ships."""
-        return {"deepseek_v32": cls.DSV32, "deepseek_v4": cls.DSV4}.get(profile_name, cls.TEMPLATE)
+        return {"deepseek_v3": cls.DSV3, "deepseek_v31": cls.DSV31, "deepseek_v32": cls.DSV32,
+                "deepseek_v4": cls.DSV4}.get(profile_name, cls.TEMPLATE)
 
 
 @dataclass
@@ -73,19 +80,40 @@ class PromptBuilder:
 
     def _render(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
                 style: PromptStyle) -> Prompt:
-        messages = [_message_dict(m) for m in req.messages]
+        dsv3 = style in (PromptStyle.DSV3, PromptStyle.DSV31)
+        messages = [_message_dict(m, keep_null=dsv3) for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
-        if style is PromptStyle.TEMPLATE:
+        if dsv3:
+            text = self._dsv3_template(req, messages, tools, kwargs, fenced=style is PromptStyle.DSV3)
+        elif style is PromptStyle.TEMPLATE:
             text = self._template(req, messages, tools, kwargs)
         else:
             text = self._encode(req, messages, tools, kwargs, style)
         return Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
+
+    def _dsv3_template(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None, kwargs: dict[str, Any], fenced: bool) -> str:
+        """DeepSeek V3/R1/V3.1 templates concatenate `arguments` as a string: it stays one (it
+        must still be a JSON object). Unless the template renders `tools` itself, they go into
+        the system prompt."""
+        for m in messages:
+            for call in m.get("tool_calls") or []:
+                _arguments_as_object(call)  # the same 400 as for other templates
+        template = self.tokenizer.chat_templates.get("default", "")
+        if tools and not re.search(r"\btools\b", template):
+            messages = with_system_text(messages, dsv3_tools_prompt(tools, fenced))
+            tools = None
+        return self._render_template(req, messages, tools, kwargs)
 
     def _template(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
                   tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> str:
         for m in messages:  # templates read arguments as a mapping (GLM: `arguments.items()`)
             if m.get("tool_calls"):
                 m["tool_calls"] = [_arguments_as_object(c) for c in m["tool_calls"]]
+        return self._render_template(req, messages, tools, kwargs)
+
+    def _render_template(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
+                         tools: list[dict[str, Any]] | None, kwargs: dict[str, Any]) -> str:
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tools=tools, add_generation_prompt=req.add_generation_prompt, **kwargs)
@@ -127,10 +155,48 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
     return list(prompt)
 
 
-def _message_dict(message: Any) -> dict[str, Any]:
+def _message_dict(message: Any, keep_null: bool = False) -> dict[str, Any]:
+    """`keep_null`: `content: null` stays None (DeepSeek V3 templates test `content is none`
+    beside tool calls); other templates get "" for it."""
     out = message.model_dump(exclude_none=True)
-    out["content"] = message.text()
+    out["content"] = None if keep_null and message.content is None else message.text()
     return out
+
+
+# DeepSeek V3/R1 and V3.1: how a call is written, told to the model in the tools section.
+_DSV3_CALL = {
+    False: "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGUMENTS<｜tool▁call▁end｜>"
+           "<｜tool▁calls▁end｜>",
+    True: "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\n```json\nARGUMENTS\n```"
+          "<｜tool▁call▁end｜><｜tool▁calls▁end｜>",
+}
+
+
+def dsv3_tools_prompt(tools: list[dict[str, Any]], fenced: bool) -> str:
+    """The tools section of a DeepSeek V3/R1 (`fenced`) or V3.1 system prompt: each tool's
+    name, description and JSON parameter schema, then the call format the parser reads."""
+    lines = ["## Tools", "You have access to the following tools:"]
+    for tool in tools:
+        fn = tool.get("function", tool)
+        lines += ["", f"### {fn.get('name', '')}", f"Description: {fn.get('description') or ''}", "",
+                  f"Parameters: {json.dumps(fn.get('parameters') or {}, ensure_ascii=False)}"]
+    several = "one call after another, with nothing between them" if not fenced \
+        else "one call after another, separated by a newline"
+    lines += ["", "IMPORTANT: to use tools, ALWAYS write exactly this format:", _DSV3_CALL[fenced], "",
+              "Where:", "- NAME is exactly the name of one of the tools above",
+              "- ARGUMENTS is a JSON object that follows that tool's Parameters schema",
+              f"- several calls go inside one block, {several}"]
+    return "\n".join(lines)
+
+
+def with_system_text(messages: list[dict[str, Any]], text: str) -> list[dict[str, Any]]:
+    """`text` appended to the first system message (after a blank line), or a system message of
+    its own in front."""
+    if messages and messages[0].get("role") == "system":
+        first = messages[0]
+        content = first.get("content") or ""
+        return [{**first, "content": f"{content}\n\n{text}" if content else text}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def _arguments_as_object(call: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Choice events → OpenAI response bodies and stream chunks (chat and text completions).
+"""Choice events → OpenAI response bodies and stream chunks (chat and text completions), and
+the chunks as server-sent events (``data: <json>\\n\\n`` … ``data: [DONE]\\n\\n``).
 
 A renderer keeps each choice's text, reasoning, tool calls, token count and logprobs.
 ``absorb`` takes one event and returns its stream chunks (none when it carries nothing to
@@ -8,17 +9,37 @@ non-streaming answers aggregate to the same message.
 Chat chunks keep the order of the parser's events: a new chunk starts whenever the kind
 switches between reasoning, content and tool calls. A tool call's first delta carries its
 index, id, type and name with empty arguments; argument fragments follow in later chunks.
+
+Calls the model wrote that are not returned as calls (the output ended inside them, or their
+arguments are not valid; ``InvalidCall``) are reported apart, never as content:
+``message.invalid_tool_calls`` (``[{index, name, text, reason}]``) in the non-streaming body,
+and the same list as ``choices[i].invalid_tool_calls`` in the choice's final chunk, beside its
+finish_reason (not in the delta: OpenAI's stream helpers merge lists in a delta by an integer
+`index`, and an unsent call has none). A call whose start was already
+streamed carries its index there (the client drops that call) and is left out of
+``message.tool_calls``; ``index`` is null for a call of which nothing was sent.
 """
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.frontend.choice import ChoiceEvent
-from pdserve.frontend.output import Part, TokenLogprob
-from pdserve.parsers import ContentDelta, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pdserve.frontend.choices import ChoiceEvent
+from pdserve.frontend.errors import APIError
+from pdserve.frontend.output import Part
+from pdserve.parsers import ContentDelta, InvalidCall, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
 from pdserve.tokenizer import Tokenizer
+from pdserve.worker_api import TokenLogprob
+
+DONE = "data: [DONE]\n\n"
+MEDIA_TYPE = "text/event-stream"
+HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass
@@ -38,6 +59,7 @@ class ChoiceState:
     pieces: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
     calls: dict[int, CallState] = field(default_factory=dict)  # by the call's index
+    invalid: list[dict[str, Any]] = field(default_factory=list)  # reported calls (InvalidCall)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     num_tokens: int = 0
@@ -126,6 +148,8 @@ class ChatRenderer(Renderer):
         entries = [{"index": ev.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
         if entries:  # the batch's logprobs and the finish go with its last chunk
             entries[-1].update(logprobs=self._logprobs(lps), finish_reason=ev.finish_reason)
+            if ev.finish_reason is not None and state.invalid:  # reported once, beside the finish
+                entries[-1]["invalid_tool_calls"] = state.invalid
         return [self.chunk([e]) for e in entries]
 
     def response(self) -> dict[str, Any]:
@@ -157,6 +181,8 @@ def _message(c: ChoiceState) -> dict[str, Any]:
     if c.calls:
         message["content"] = c.text or None
         message["tool_calls"] = [c.calls[i].message() for i in sorted(c.calls)]
+    if c.invalid:
+        message["invalid_tool_calls"] = c.invalid
     return message
 
 
@@ -187,6 +213,12 @@ def _deltas(state: ChoiceState, parts: list[Part]) -> list[dict[str, Any]]:
             continue
         if isinstance(part, ToolCallEnd):
             state.calls[part.index].complete = part.complete
+            continue
+        if isinstance(part, InvalidCall):
+            if part.index is not None:  # streamed already: the client drops it, the message leaves it out
+                state.calls.pop(part.index, None)
+            state.invalid.append({"index": part.index, "name": part.name, "text": part.text,
+                                  "reason": part.reason})
             continue
         if isinstance(part, ContentDelta):
             this, text = "content", part.text
@@ -261,3 +293,39 @@ class CompletionRenderer(Renderer):
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
                 "top_logprobs": [{token_text(tok, t): v for t, v in lp.top[: self.logprobs]} for lp in lps],
                 "text_offset": offsets}
+
+
+# ---- server-sent events ----------------------------------------------------------------------
+
+
+def event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def error_event(error: APIError) -> str:
+    """The last event of a stream that failed: an OpenAI error object (no [DONE] follows)."""
+    return event(error.body())
+
+
+class SSEResponse(StreamingResponse):
+    """A streaming response that always closes its generator when it ends, however it ends.
+
+    Starlette stops iterating when the client disconnects; the generator is closed at once (not
+    whenever it is collected) and ``on_close`` runs, which aborts the request on the workers.
+    """
+
+    def __init__(self, content: AsyncGenerator[str, None], on_close: Callable[[], None] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(content, media_type=MEDIA_TYPE, headers={**HEADERS, **(headers or {})})
+        self._generator = content
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._generator.aclose()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()

@@ -1,5 +1,6 @@
 """The router process's one server object (settings, tokenizer, workers, clients, metrics, the
-calls in flight), its lifecycle, and the uvicorn server that drains it on SIGTERM.
+calls in flight), its lifecycle, and the uvicorn server that drains it on SIGTERM. Requests are
+answered by ``requests`` with the router's ``Serving``; nothing request-scoped holds the router.
 
 Liveness is the router's own: its event loop turns (a heartbeat task) and its background tasks
 run; a worker outage never makes it fail, so an orchestrator does not restart routers for it.
@@ -15,26 +16,23 @@ import signal
 import time
 from collections.abc import Coroutine
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 
-from pdserve.frontend.backend import WorkerClient
-from pdserve.frontend.choice import Services
+from pdserve.frontend.choices import Services
 from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.discovery import Discovery, Target, parse_target
-from pdserve.frontend.errors import model_not_found, unavailable
-from pdserve.frontend.ids import RequestIds
+from pdserve.frontend.errors import unavailable
 from pdserve.frontend.output import ChatOutput
 from pdserve.frontend.prompts import PromptBuilder
-from pdserve.frontend.workers import Role, WorkerPool
+from pdserve.frontend.requests import Calls, Serving
+from pdserve.frontend.worker_client import WorkerClient
+from pdserve.frontend.workers import WorkerPool
 from pdserve.metrics import RouterMetrics
 from pdserve.tokenizer import Tokenizer
-
-if TYPE_CHECKING:
-    from fastapi import FastAPI
-
-    from pdserve.frontend.serving import CallTracker
+from pdserve.worker_api import Role
 
 logger = logging.getLogger(__name__)
 _FALLBACK_CONTEXT = 2048
@@ -43,26 +41,24 @@ STOPPED_GRACE_S = 5.0  # after the drain timeout: how long the stopped calls get
 
 
 class Router:
+    """The router process: its workers, its background tasks, its health, its drain."""
+
     def __init__(self, config: RouterConfig, tokenizer: Tokenizer | None = None) -> None:
         self.config = config
-        self.tokenizer = tokenizer or Tokenizer(config.model_dir)
-        self.prompts = PromptBuilder(self.tokenizer, config.inline_tokenize_chars)
+        tokenizer = tokenizer or Tokenizer(config.model_dir)
         self.metrics = RouterMetrics(config.served_model_name)
-        self.output = ChatOutput.load(config.model_dir, self.tokenizer)  # chat output parsing
-        self.output.on_diagnostic = self.metrics.parser_diagnostic
-        self.ids = RequestIds()
+        output = ChatOutput.load(config.model_dir, tokenizer, config.tool_call_parser)  # chat output parsing
+        output.on_diagnostic = self.metrics.parser_diagnostic
         self.client = WorkerClient(config.connect_timeout_s, config.health_timeout_s)
         self.pool = WorkerPool(self.client, config.prefill_urls, config.decode_urls, config.worker_urls,
                                interval_s=config.health_interval_s, timeout_s=config.health_timeout_s,
                                dead_after_s=config.dead_after_s, wedged_grace_s=config.wedged_grace_s)
         targets = _targets(config)
         self.discovery = Discovery(self.pool, targets, config.discover_interval_s) if targets else None
-        self.services = Services(self.client, self.spawn, config.abort_timeout_s, self.metrics.aborted)
-        self.calls: set[CallTracker] = set()  # generations in flight
-        self.active = 0                       # /v1 requests being handled (the middleware counts)
-        self.draining = False                 # new requests get 503; those in flight go on
-        self.closing = False                  # the drain timeout passed: what is left is stopped
-        self._model_context = _model_context(config)
+        self.calls = Calls()
+        services = Services(self.client, self.spawn, config.abort_timeout_s, self.metrics.aborted)
+        self.serving = Serving(config, tokenizer, PromptBuilder(tokenizer, config.inline_tokenize_chars), output,
+                               self.pool, services, self.metrics, self.calls, _model_context(config))
         self._tasks: set[asyncio.Task[Any]] = set()
         self._background: list[asyncio.Task[Any]] = []
         self._tick = time.monotonic()         # the heartbeat's last turn
@@ -96,15 +92,13 @@ class Router:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def check_model(self, name: str | None) -> str:
-        """The served name for a request's "model" (None means the served model); else 404."""
-        if name is None or name in self.config.model_names:
-            return self.config.served_model_name
-        raise model_not_found(name)
+    @property
+    def draining(self) -> bool:
+        return self.calls.draining
 
     @property
-    def max_model_len(self) -> int:
-        return self.config.max_model_len or self.pool.max_model_len or self._model_context
+    def active(self) -> int:
+        return self.calls.active
 
     # ---- health and lifecycle ------------------------------------------------------------------
 
@@ -137,13 +131,13 @@ class Router:
         """Take no new requests (503); let those in flight finish for up to `timeout_s`; stop the
         rest with a 503 error (a stream's last event), which aborts their rooms on the workers;
         return once every call ended and the aborts were delivered."""
-        self.draining = True
+        self.calls.draining = True
         logger.info("draining: %d request(s) in flight; they have %.0f s to finish", self.active, timeout_s)
         if not await self._until_idle(timeout_s):
-            self.closing = True
+            self.calls.closing = True
             logger.warning("drain timeout: stopping %d request(s) still running", len(self.calls))
             error = unavailable("The server is shutting down; the request was stopped before it finished.")
-            for call in list(self.calls):
+            for call in self.calls:
                 call.stop(error)
             if not await self._until_idle(STOPPED_GRACE_S):
                 logger.error("%d request(s) still open after the drain", self.active)

@@ -20,7 +20,7 @@ from typing import Any
 
 from pdserve.frontend.errors import APIError
 from pdserve.frontend.protocol import ChatCompletionRequest, named_function
-from pdserve.parsers import Profile, ToolsMode, param_types_from_tools, prompt_opens_reasoning
+from pdserve.parsers import ParamSchema, Profile, ToolsMode, prompt_opens_reasoning, tool_schemas
 from pdserve.parsers.options import ParserOptions
 
 
@@ -32,7 +32,8 @@ class ToolPolicy:
     function: str | None       # tool_choice named this function
     parallel: bool
     separate_reasoning: bool
-    param_types: dict[str, dict[str, str]] = field(default_factory=dict)
+    # The request's parameter schemas: string values the model wrote take their schema's type.
+    schemas: dict[str, dict[str, ParamSchema]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, req: ChatCompletionRequest) -> ToolPolicy:
@@ -43,7 +44,7 @@ class ToolPolicy:
         return cls(prompt_tools=tools if emit else None, emit=emit,
                    required=choice == "required" or function is not None, function=function,
                    parallel=req.parallel_tool_calls is not False, separate_reasoning=req.separate_reasoning,
-                   param_types=param_types_from_tools(tools) if emit else {})
+                   schemas=tool_schemas(tools) if emit else {})
 
     def parser_options(self, profile: Profile, prompt_ids: Sequence[int], stop_ids: frozenset[int],
                        call_id_prefix: str) -> ParserOptions:
@@ -56,7 +57,7 @@ class ToolPolicy:
             stop_ids=stop_ids,
             known_tools=frozenset([self.function]) if self.function is not None else None,
             drop_unknown_tools=self.function is not None,
-            param_types=self.param_types,
+            schemas=self.schemas,
         )
 
     def check(self, finish_reason: str, complete_calls: int, swallowed: Sequence[str]) -> None:

@@ -14,24 +14,18 @@ and leaves once nothing runs on it any more, so its in-flight requests finish.
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, Protocol
+from typing import NamedTuple, Protocol
 
-from pdserve.frontend.backend import Probe, WorkerClient, WorkerLoad
 from pdserve.frontend.errors import APIError, unavailable
+from pdserve.frontend.worker_client import Probe, WorkerClient
+from pdserve.worker_api import Info, Load, Role
 
 logger = logging.getLogger(__name__)
 MAX_PENDING_PROBES = 4  # per worker: a worker that hangs holds at most this many probes open
-
-
-class Role(str, enum.Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BOTH = "both"
 
 
 class InFlight(Protocol):
@@ -41,14 +35,16 @@ class InFlight(Protocol):
 
 
 @dataclass(eq=False)
-class Worker:
+class WorkerEndpoint:
+    """One worker as the router sees it: its URL and role, what it last said, what runs there."""
+
     url: str
     role: Role
     healthy: bool = False
     draining: bool = False
     status: str = "unknown"
-    info: dict[str, Any] | None = None
-    load: WorkerLoad = field(default_factory=WorkerLoad)
+    info: Info | None = None    # its /info, read once it answers healthy
+    load: Load = field(default_factory=Load)
     last_ok: float = 0.0
     last_pick: float = 0.0
     inflight: set[InFlight] = field(default_factory=set)
@@ -58,8 +54,7 @@ class Worker:
     @property
     def worker_id(self) -> str | None:
         """From /info; decode workers need a prefill worker's id to watch the peer of a room."""
-        value = (self.info or {}).get("worker_id")
-        return str(value) if value else None
+        return self.info.worker_id if self.info is not None and self.info.worker_id else None
 
     @property
     def available(self) -> bool:
@@ -74,31 +69,31 @@ class Worker:
 
 
 class Route(NamedTuple):
-    decode: Worker            # decode or colocated worker: it streams the tokens
-    prefill: Worker | None    # None when `decode` is a colocated ("both") worker
+    decode: WorkerEndpoint          # decode or colocated worker: it streams the tokens
+    prefill: WorkerEndpoint | None  # None when `decode` is a colocated ("both") worker
 
 
 class WorkerPool:
     def __init__(self, client: WorkerClient, prefill: list[str], decode: list[str], both: list[str],
                  *, interval_s: float = 0.5, timeout_s: float = 5.0, dead_after_s: float = 1.5,
                  wedged_grace_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
-                 on_health: Callable[[Worker], None] | None = None) -> None:
+                 on_health: Callable[[WorkerEndpoint], None] | None = None) -> None:
         self.client = client
-        self.workers = ([Worker(_norm(u), Role.PREFILL) for u in prefill]
-                        + [Worker(_norm(u), Role.DECODE) for u in decode]
-                        + [Worker(_norm(u), Role.BOTH) for u in both])
+        self.workers = ([WorkerEndpoint(_norm(u), Role.PREFILL) for u in prefill]
+                        + [WorkerEndpoint(_norm(u), Role.DECODE) for u in decode]
+                        + [WorkerEndpoint(_norm(u), Role.BOTH) for u in both])
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.dead_after_s = dead_after_s
         self.wedged_grace_s = wedged_grace_s
         self.clock = clock
         self.on_health = on_health
-        self._pollers: dict[Worker, asyncio.Task[None]] = {}
+        self._pollers: dict[WorkerEndpoint, asyncio.Task[None]] = {}
         self._running = False
 
     # ---- choosing ------------------------------------------------------------------------------
 
-    def of_role(self, role: Role) -> list[Worker]:
+    def of_role(self, role: Role) -> list[WorkerEndpoint]:
         return [w for w in self.workers if w.role is role]
 
     @property
@@ -124,8 +119,7 @@ class WorkerPool:
 
     @property
     def max_model_len(self) -> int | None:
-        lens = [int(w.info["max_model_len"]) for w in self.workers
-                if w.info and isinstance(w.info.get("max_model_len"), int)]
+        lens = [w.info.max_model_len for w in self.workers if w.info is not None]
         return min(lens) if lens else None
 
     # ---- health --------------------------------------------------------------------------------
@@ -148,10 +142,10 @@ class WorkerPool:
                 task.cancel()
             self._pollers.clear()
 
-    def _start_polling(self, w: Worker) -> None:
+    def _start_polling(self, w: WorkerEndpoint) -> None:
         self._pollers[w] = asyncio.create_task(self._poll(w), name=f"poll-{w.url}")
 
-    async def _poll(self, w: Worker) -> None:
+    async def _poll(self, w: WorkerEndpoint) -> None:
         pending: set[asyncio.Task[None]] = set()
         try:
             while True:
@@ -178,7 +172,7 @@ class WorkerPool:
                     self.observe(w, Probe(False, "unreachable"))
             self._drop_retired()
 
-    async def _probe_safely(self, w: Worker) -> None:
+    async def _probe_safely(self, w: WorkerEndpoint) -> None:
         try:
             await self.probe(w)
         except Exception:  # a probe must never end the poller
@@ -189,12 +183,12 @@ class WorkerPool:
 
     # ---- membership ----------------------------------------------------------------------------
 
-    def sync(self, source: str, role: Role, urls: Iterable[str]) -> list[Worker]:
+    def sync(self, source: str, role: Role, urls: Iterable[str]) -> list[WorkerEndpoint]:
         """The workers found at `source` are now `urls`. New ones join (polled at once; picked
         after their first good probe); missing ones retire. Returns the new workers."""
         wanted = {_norm(u) for u in urls}
         known = {w.url: w for w in self.workers if w.source == source}
-        added = [Worker(url, role, source=source) for url in sorted(wanted - known.keys())]
+        added = [WorkerEndpoint(url, role, source=source) for url in sorted(wanted - known.keys())]
         for w in added:
             logger.info("discovered %s worker %s (from %s)", role.value, w.url, source)
             self.workers.append(w)
@@ -215,7 +209,7 @@ class WorkerPool:
             if task is not None:
                 task.cancel()
 
-    async def probe(self, w: Worker) -> None:
+    async def probe(self, w: WorkerEndpoint) -> None:
         probe = await self.client.health(w.url, self.timeout_s)
         answered_at = self.clock()
         if probe.ok and w.info is None:
@@ -227,7 +221,7 @@ class WorkerPool:
                 w.load = load
         self.observe(w, probe, answered_at)
 
-    def observe(self, w: Worker, probe: Probe, answered_at: float | None = None) -> None:
+    def observe(self, w: WorkerEndpoint, probe: Probe, answered_at: float | None = None) -> None:
         """Apply one probe result to a worker (pure state change; no I/O)."""
         now = self.clock()
         at = now if answered_at is None else answered_at
@@ -255,7 +249,7 @@ class WorkerPool:
             if self.on_health is not None:
                 self.on_health(w)
 
-    def fail_inflight(self, w: Worker, reason: str) -> None:
+    def fail_inflight(self, w: WorkerEndpoint, reason: str) -> None:
         """Every request in flight on `w` fails now with 503."""
         victims = list(w.inflight)
         w.inflight.clear()
@@ -264,13 +258,12 @@ class WorkerPool:
         for run in victims:
             run.fail(unavailable(f"{reason}; the request was stopped."))
 
-    def _check_role(self, w: Worker) -> None:
-        role = (w.info or {}).get("role")
-        if role is not None and role != w.role.value:
-            logger.warning("worker %s reports role %r but was given as %s", w.url, role, w.role.value)
+    def _check_role(self, w: WorkerEndpoint) -> None:
+        if w.info is not None and w.info.role is not w.role:
+            logger.warning("worker %s reports role %r but was given as %s", w.url, w.info.role.value, w.role.value)
 
 
-def _least_loaded(workers: list[Worker]) -> Worker | None:
+def _least_loaded(workers: list[WorkerEndpoint]) -> WorkerEndpoint | None:
     return min(workers, key=lambda w: (w.score(), w.last_pick), default=None)
 
 

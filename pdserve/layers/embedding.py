@@ -1,8 +1,12 @@
-"""Token embedding (replicated) and the LM head (vocab-parallel).
+"""Token embedding (replicated) and the LM head (vocab-parallel), plain or in GGUF blocks.
 
 The embedding is a lookup, cheap to replicate, and replicating it avoids a collective per step.
 The LM head is a large matmul: each rank computes logits for its slice of the vocabulary and
 one all_gather assembles them. With tied weights the head is a view of the embedding rows.
+
+With a block-quantized checkpoint (`use_blocks`) the weight is uint8 rows of GGUF blocks: the
+lookup dequantizes only the rows it gathers, and the head multiplies the blocks directly
+(`pdserve_kernels.qmatmul`), so neither ever holds the fp32 matrix.
 """
 from __future__ import annotations
 
@@ -10,19 +14,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import pdserve_kernels as ops
 from pdserve.distributed import TPGroup
+from pdserve_kernels.quant import BlockFormat, dequantize, quantize
 
 
 class Embedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
+        self.fmt: BlockFormat | None = None  # set by use_blocks
+        self.on_load = False
+        self.dtype = self.weight.dtype       # of the looked-up rows (the model's)
+
+    def use_blocks(self, fmt: BlockFormat, on_load: bool) -> None:
+        """Store the table as `fmt` blocks (`on_load`: quantize the float checkpoint on load)."""
+        self.weight = _blocks_param(self.weight, fmt)
+        self.fmt, self.on_load = fmt, on_load
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.fmt is not None:
+            return dequantize(self.weight[ids], self.fmt).to(self.dtype)
         return F.embedding(ids, self.weight)
 
     def load(self, param: str, source, name: str, shard_id: object = None) -> None:
-        self.weight.data.copy_(source.get_slice(name, 0, 0, self.weight.shape[0], self.weight.dtype))
+        rows = self.weight.shape[0]
+        if self.fmt is None:
+            self.weight.data.copy_(source.get_slice(name, 0, 0, rows, self.weight.dtype))
+        else:
+            self.weight.data.copy_(_read_blocks(source, name, 0, rows, self.fmt, self.on_load))
 
 
 class LMHead(nn.Module):
@@ -34,6 +54,8 @@ class LMHead(nn.Module):
         self.tp = tp
         self.vocab_size = vocab_size
         self.start, self.stop = _vocab_range(vocab_size, tp)
+        self.fmt: BlockFormat | None = None
+        self.on_load = False
         if tied_to is not None:
             self.tied_to = [tied_to]  # a list so the embedding is not registered twice
             self.weight = None
@@ -41,15 +63,55 @@ class LMHead(nn.Module):
             self.tied_to = []
             self.weight = nn.Parameter(torch.empty(self.stop - self.start, dim), requires_grad=False)
 
+    def use_blocks(self, fmt: BlockFormat, on_load: bool) -> None:
+        """An untied head stored as `fmt` blocks (a tied one follows its embedding)."""
+        self.weight = _blocks_param(self.weight, fmt)
+        self.fmt, self.on_load = fmt, on_load
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.tied_to[0].weight[self.start:self.stop] if self.tied_to else self.weight
-        logits = F.linear(hidden, weight)
+        if self.tied_to:
+            table = self.tied_to[0]
+            weight, fmt = table.weight[self.start:self.stop], table.fmt
+        else:
+            weight, fmt = self.weight, self.fmt
+        logits = F.linear(hidden, weight) if fmt is None else ops.qmatmul(hidden, weight, fmt)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)[..., :self.vocab_size]
         return logits
 
     def load(self, param: str, source, name: str, shard_id: object = None) -> None:
-        self.weight.data.copy_(source.get_slice(name, 0, self.start, self.stop, self.weight.dtype))
+        if self.fmt is None:
+            self.weight.data.copy_(source.get_slice(name, 0, self.start, self.stop, self.weight.dtype))
+        else:
+            self.weight.data.copy_(_read_blocks(source, name, self.start, self.stop, self.fmt, self.on_load))
+
+
+def use_block_formats(model: nn.Module, quant: object) -> None:
+    """Switch the embeddings and untied LM heads of `model` whose checkpoint tensor `quant` keeps
+    in blocks (its `embedding_format(name)` gives (format, on_load) or None) before loading."""
+    format_of = getattr(quant, "embedding_format", None)
+    if format_of is None:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, (Embedding, LMHead)) and module.weight is not None:
+            spec = format_of(f"{name}.weight")
+            if spec is not None:
+                module.use_blocks(*spec)
+
+
+def _blocks_param(weight: nn.Parameter, fmt: BlockFormat) -> nn.Parameter:
+    rows, dim = weight.shape
+    return nn.Parameter(torch.empty(rows, fmt.row_bytes(dim), dtype=torch.uint8, device=weight.device),
+                        requires_grad=False)
+
+
+def _read_blocks(source, name: str, start: int, stop: int, fmt: BlockFormat, on_load: bool) -> torch.Tensor:
+    tensor = source.get_slice(name, 0, start, stop)
+    if on_load:
+        return quantize(tensor, fmt)
+    if tensor.dtype != torch.uint8:
+        raise ValueError(f"checkpoint tensor {name} is {tensor.dtype}, not {fmt.name} blocks (uint8)")
+    return tensor
 
 
 def _vocab_range(vocab: int, tp: TPGroup) -> tuple[int, int]:

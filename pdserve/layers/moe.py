@@ -3,12 +3,13 @@ top-k, routed SwiGLU experts and always-on shared experts.
 
 The math is transformers' `DeepseekV3MoE` (identical in `DeepseekV32MoE` and `GlmMoeDsaMoE`):
 
-* Router, in fp32 (the gate's weight and bias stay fp32 whatever the model dtype):
-  `s = sigmoid(x W^T)`. Experts are *chosen* on `s + e_score_correction_bias`: the experts form
-  `n_group` groups, each scored by the sum of its two best biased scores; only the `topk_group`
-  best groups compete, and the `num_experts_per_tok` best biased scores among them win. The
-  *weights* are the unbiased `s` of the winners, divided by their sum (+1e-20) when
-  `norm_topk_prob`, times `routed_scaling_factor`.
+* MoEGate, the gate that routes tokens to experts, in fp32 (its weight and bias stay fp32
+  whatever the model dtype): `s = sigmoid(x W^T)`. Experts are *chosen* on
+  `s + e_score_correction_bias`: the experts form `n_group` groups, each scored by the sum of
+  its two best biased scores; only the `topk_group` best groups compete, and the
+  `num_experts_per_tok` best biased scores among them win. The *weights* are the unbiased `s`
+  of the winners, divided by their sum (+1e-20) when `norm_topk_prob`, times
+  `routed_scaling_factor`.
 * Each routed expert runs in the model dtype; its outputs times the fp32 weights are summed
   in fp32 and rounded to the model dtype once, as transformers' default experts path
   (`grouped_mm`) does (its eager loop instead rounds every contribution before adding it).
@@ -50,7 +51,7 @@ from pdserve.weights.loading import load_tensors, require_loaded, stacked_target
 STACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
-class Router(nn.Module):
+class MoEGate(nn.Module):
     """The MoE gate: which experts each token goes to, and with what weight (all in fp32)."""
 
     PARAMS = ("weight", "e_score_correction_bias")
@@ -110,11 +111,11 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    """Router + this rank's routed experts + TP-sharded shared experts, one all_reduce.
+    """MoEGate + this rank's routed experts + TP-sharded shared experts, one all_reduce.
 
     `prefix` is the block's checkpoint module name (e.g. `model.layers.3.mlp`); it names the
     checkpoint modules that `quant` is asked about and the tensors `load_weights` takes.
-    Layout: `gate` (Router), `experts` (ModuleDict: str(expert id) → GatedMLP, only this
+    Layout: `gate` (MoEGate), `experts` (ModuleDict: str(expert id) → GatedMLP, only this
     rank's, whole), `shared_experts` (GatedMLP, TP-sharded; None when `n_shared_experts` is
     0). Neither reduces its down projection: `forward` sums everything with one all_reduce.
     """
@@ -131,7 +132,7 @@ class MoE(nn.Module):
         self.tp = tp
         self.n_routed_experts = n_routed_experts
         self.first_expert, self.last_expert = tp.shard(n_routed_experts)  # contiguous: same on every run
-        self.gate = Router(hidden_size, n_routed_experts, num_experts_per_tok, n_group, topk_group,
+        self.gate = MoEGate(hidden_size, n_routed_experts, num_experts_per_tok, n_group, topk_group,
                            norm_topk_prob, routed_scaling_factor)
         # a routed expert is whole on its rank: a size-1 group, so nothing is sharded or reduced
         self.experts = nn.ModuleDict({

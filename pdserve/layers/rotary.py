@@ -73,6 +73,11 @@ class RotaryEmbedding(nn.Module):
     `interleaved`: DeepSeek's layout, where dims (0,1), (2,3)... are the rotated pairs. The output
     is de-interleaved (rotated evens, then rotated odds), as in transformers: q·k is unchanged
     because q and k get the same permutation.
+
+    cos and sin come from a table over positions (grown on demand, never recomputed per layer),
+    and a step's rows of it are kept for the positions tensor they were read for: one module is
+    shared by every layer of a model, so a step reads the table once. The values are those of
+    computing `cos(position * inv_freq)` directly, bit for bit.
     """
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None, interleaved: bool = False):
@@ -81,24 +86,51 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
         self.factor = rope_attention_factor(scaling)
         self.interleaved = interleaved
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, D/2]
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # positions, cos, sin
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos and sin `[T, 1, D/2]` at `positions` (attention factor applied)."""
+        if self._step is not None and self._step[0] is positions:
+            return self._step[1], self._step[2]
+        table = self._table
+        need = int(positions.max()) + 1 if positions.numel() else 1
+        if table is None or table[0].shape[0] < need or table[0].device != positions.device:
+            size = 1 << max(need - 1, 255).bit_length()  # a power of two: few regrowths
+            pos = torch.arange(size, device=positions.device, dtype=torch.float32)
+            freqs = pos[:, None] * self.inv_freq.to(positions.device)[None, :]
+            table = self._table = (freqs.cos() * self.factor, freqs.sin() * self.factor)
+        cos, sin = table[0][positions][:, None, :], table[1][positions][:, None, :]
+        self._step = (positions, cos, sin)  # holds `positions`, so its identity is not reused
+        return cos, sin
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos() * self.factor, freqs.sin() * self.factor
+        cos, sin = self.cos_sin(positions)
         if self.interleaved:
             return _rotate_pairs(q, cos, sin), _rotate_pairs(k, cos, sin)
-        cos, sin = torch.cat((cos, cos), dim=-1)[:, None, :], torch.cat((sin, sin), dim=-1)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return _rotate_halves(q, cos, sin), _rotate_halves(k, cos, sin)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """RoPE on `[T, heads, D]` in one pass: q and k heads side by side rotate together."""
+        cos, sin = self.cos_sin(positions)
+        return _rotate_pairs(x, cos, sin) if self.interleaved else _rotate_halves(x, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x.float() * cos + rotated.float() * sin).to(x.dtype)
+def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's `x * cos + rotate_half(x) * sin` with cos/sin of half width: the first
+    half becomes x1·cos − x2·sin, the second x2·cos + x1·sin (the same roundings)."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    o1, o2 = out.chunk(2, dim=-1)
+    torch.mul(x1, cos, out=o1)
+    o1.sub_(x2 * sin)
+    torch.mul(x2, cos, out=o2)
+    o2.add_(x1 * sin)
+    return out.to(x.dtype)
 
 
 def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos[:, None, :], sin[:, None, :]
     even, odd = x[..., 0::2].float(), x[..., 1::2].float()
     return torch.cat((even * cos - odd * sin, odd * cos + even * sin), dim=-1).to(x.dtype)

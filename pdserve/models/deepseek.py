@@ -138,18 +138,25 @@ def cache_spec(c: DeepseekConfig, dtype: torch.dtype, index_dtype: torch.dtype =
             for t in types]
 
 
+def rotaries(c: DeepseekConfig) -> tuple[RotaryEmbedding, RotaryEmbedding]:
+    """The attention's and the indexer's RoPE, one of each shared by every layer (so a step
+    reads cos/sin once, not once per layer)."""
+    d = c.mla.qk_rope_head_dim
+    return (RotaryEmbedding(d, c.rope_theta, c.rope_scaling, c.rope_interleave),
+            RotaryEmbedding(d, c.rope_theta, c.rope_scaling, c.indexer_rope_interleave))
+
+
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, c: DeepseekConfig, layer_idx: int, tp: TPGroup, quant: QuantConfig | None):
+    def __init__(self, c: DeepseekConfig, layer_idx: int, tp: TPGroup, quant: QuantConfig | None,
+                 ropes: tuple[RotaryEmbedding, RotaryEmbedding] | None = None):
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
         m = c.mla
-        rotary = RotaryEmbedding(m.qk_rope_head_dim, c.rope_theta, c.rope_scaling, c.rope_interleave)
+        rotary, index_rotary = ropes or rotaries(c)
         indexer = None
         if c.indexer_types is not None and c.indexer_types[layer_idx] == "full":
             indexer = Indexer(m.hidden_size, m.q_lora_rank, c.index_n_heads, c.index_head_dim,
-                              m.qk_rope_head_dim, c.index_topk,
-                              RotaryEmbedding(m.qk_rope_head_dim, c.rope_theta, c.rope_scaling,
-                                              c.indexer_rope_interleave),
+                              m.qk_rope_head_dim, c.index_topk, index_rotary,
                               f"{prefix}.self_attn.indexer", tp, quant)
         self.self_attn = MLAttention(m, layer_idx, rotary, c.softmax_scale(), tp, quant, indexer)
         if c.mlp_layer_types[layer_idx] == "sparse":
@@ -170,7 +177,8 @@ class DeepseekForCausalLM(nn.Module):
         c = self.config = DeepseekConfig.from_hf(hf_config)
         self.tp, self.quant = tp, quant
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(c, i, tp, quant) for i in range(c.num_layers))
+        ropes = rotaries(c)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(c, i, tp, quant, ropes) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.lm_head = LMHead(c.vocab_size, c.hidden_size, tp,
                               tied_to=self.embed_tokens if c.tie_word_embeddings else None)

@@ -70,7 +70,8 @@ class LlamaConfig:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, c: LlamaConfig, layer_idx: int, tp: TPGroup, quant: QuantConfig | None = None):
+    def __init__(self, c: LlamaConfig, layer_idx: int, tp: TPGroup, quant: QuantConfig | None = None,
+                 rotary: RotaryEmbedding | None = None):
         super().__init__()
         p = f"model.layers.{layer_idx}.self_attn"
         self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads,
@@ -84,27 +85,28 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.qk_norm = c.qk_norm
-        self.rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)
+        # shared by every layer (LlamaModel passes one): cos/sin are read once per step
+        self.rotary = rotary or RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)
         self.attn = Attention(layer_idx, self.num_heads, self.num_kv_heads, c.head_dim,
                               scale=c.head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        d = self.head_dim
-        q, k, v = self.qkv_proj(x).split([self.num_heads * d, self.num_kv_heads * d,
-                                          self.num_kv_heads * d], dim=-1)
-        q = q.view(-1, self.num_heads, d)
-        k = k.view(-1, self.num_kv_heads, d)
-        v = v.view(-1, self.num_kv_heads, d)
+        h, kvh = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(-1, h + 2 * kvh, self.head_dim)
+        v = qkv[:, h + kvh:]
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+            q, k = self.rotary(positions, self.q_norm(qkv[:, :h]), self.k_norm(qkv[:, h:h + kvh]))
+        else:  # q and k heads are neighbours in the fused projection: rotate them in one pass
+            qk = self.rotary.rotate(positions, qkv[:, :h + kvh])
+            q, k = qk[:, :h], qk[:, h:]
         return self.o_proj(self.attn(q, k, v, meta))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, c: LlamaConfig, layer_idx: int, tp: TPGroup, quant: QuantConfig | None = None):
+    def __init__(self, c: LlamaConfig, layer_idx: int, tp: TPGroup, quant: QuantConfig | None = None,
+                 rotary: RotaryEmbedding | None = None):
         super().__init__()
-        self.self_attn = LlamaAttention(c, layer_idx, tp, quant)
+        self.self_attn = LlamaAttention(c, layer_idx, tp, quant, rotary)
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, f"model.layers.{layer_idx}.mlp", tp, quant)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -124,7 +126,8 @@ class LlamaModel(nn.Module):
     def __init__(self, c: LlamaConfig, tp: TPGroup, quant: QuantConfig | None = None):
         super().__init__()
         self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, tp, quant) for i in range(c.num_layers))
+        rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, tp, quant, rotary) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

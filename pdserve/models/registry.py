@@ -53,25 +53,28 @@ def eos_token_ids(model_dir: str | Path) -> frozenset[int]:
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               tp: TPGroup = TPGroup(), nvfp4_mode: str = "auto") -> nn.Module:
+               tp: TPGroup = TPGroup(), nvfp4_mode: str = "auto", quantization: str = "none") -> nn.Module:
     """Build the model of `model_dir/config.json` and load its weights (this rank's slices only).
 
     A ModelOpt NVFP4 checkpoint is detected from its config; `nvfp4_mode` (auto | w4a16 | w4a4)
-    says how its layers compute (pdserve.layers.quant.nvfp4).
+    says how its layers compute (pdserve.layers.quant.nvfp4). `quantization` (none | auto | gguf |
+    int8 | int4) keeps a converted GGUF's blocks or quantizes on load (pdserve.weights.quantization).
     """
+    from pdserve.layers.embedding import use_block_formats
     from pdserve.layers.quant import finish_loading
     from pdserve.weights import WeightSource
-    from pdserve.weights.nvfp4 import detect
+    from pdserve.weights.quantization import select
 
     hf_config = read_config(model_dir)
     cls = model_class(hf_config)
-    quant = detect(model_dir, hf_config, nvfp4_mode)
+    quant, weights_dir = select(model_dir, hf_config, quantization, torch.device(device).type, nvfp4_mode)
     # built in `dtype` rather than cast afterwards: a cast would also convert the float8 and
     # fp32 scales of quantized layers
     with torch.device(device), default_dtype(dtype):
         model = cls(hf_config, tp, quant)
+        use_block_formats(model, quant)
     if getattr(model, "has_weights", True):
-        model.load_weights(WeightSource(model_dir))
+        model.load_weights(WeightSource(weights_dir))
     finish_loading(model, dtype)
     model.eval()
     logger.info("loaded %s from %s (%s, %s, tp %d/%d%s)", cls.__name__, model_dir, dtype, device,

@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pdserve.parsers.events import (ContentDelta, Diagnostic, Event, Finish, FinishReason, ReasoningDelta,
-                                    ToolCallArgs, ToolCallEnd, ToolCallStart)
+from pdserve.parsers.events import (ContentDelta, Diagnostic, Event, Finish, FinishReason, InvalidCall,
+                                    ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart)
 
 
 @dataclass
@@ -27,6 +27,7 @@ class Aggregate:
     content: str = ""
     reasoning: str = ""
     tool_calls: list[CallResult] = field(default_factory=list)
+    invalid_calls: list[InvalidCall] = field(default_factory=list)  # reported, never returned as calls
     diagnostics: list[Diagnostic] = field(default_factory=list)
     finish_reason: FinishReason | None = None
 
@@ -46,6 +47,10 @@ class Aggregate:
                 self._call(ev.index).arguments += ev.fragment
             elif isinstance(ev, ToolCallEnd):
                 self._call(ev.index).complete = ev.complete
+            elif isinstance(ev, InvalidCall):
+                if ev.index is not None:  # its start was streamed: the non-streaming answer drops it
+                    self.tool_calls.remove(self._call(ev.index))
+                self.invalid_calls.append(ev)
             elif isinstance(ev, Diagnostic):
                 self.diagnostics.append(ev)
             elif isinstance(ev, Finish):

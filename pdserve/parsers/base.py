@@ -34,6 +34,7 @@ class StreamParser(ABC):
         self._calls = CallEmitter(self._out, options)
         self._finished = False
         self._failed = False
+        self._length = False  # the stream is being finished by the token limit
 
     def feed(self, ids: Iterable[int]) -> list[Event]:
         """Consume ids; return the events they produced (possibly none)."""
@@ -85,7 +86,23 @@ class StreamParser(ABC):
         else:
             self._diag(code, detail)
 
+    def _end_cut_call(self, tail: str = "") -> None:
+        """The output ended inside a call whose arguments are not complete (docs/tool-calls.md
+        §2): cut by the token limit it ends incomplete; otherwise it is reported, not returned."""
+        if not self._calls.open:
+            return
+        if self._length:
+            self._calls.end(complete=False)
+        else:
+            self._calls.invalid(Diag.ENDED_INSIDE_BLOCK, tail)
+
+    def _end_call_at_finish(self) -> None:
+        """The output ended inside a call whose arguments are complete: it is returned."""
+        self._diag(Diag.CALL_CLOSED_AT_END, self._calls.name)
+        self._calls.end(complete=True)
+
     def _finish(self, length: bool) -> None:
+        self._length = length
         if not self._failed:
             self._on_finish()
         self._finished = True

@@ -1,15 +1,15 @@
 """Tool-call emission shared by all grammars: indices, ids, suppression, atomic buffering.
 
 The grammar parsers say what they saw (a call started, an argument fragment, the call ended);
-this class decides what the caller is told, so `tools_mode`, `parallel_tool_calls` and the
-incremental/atomic choice behave the same for DSML, GLM and Hermes.
+this class decides what the caller is told, so `tools_mode`, `parallel_tool_calls`, the
+incremental/atomic choice and invalid calls behave the same for every grammar.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
 
-from pdserve.parsers.events import Diag, Diagnostic, Event, ToolCallArgs, ToolCallEnd, ToolCallStart
+from pdserve.parsers.events import Diag, Diagnostic, Event, InvalidCall, ToolCallArgs, ToolCallEnd, ToolCallStart
 from pdserve.parsers.options import Emission, ParserOptions, ToolsMode
 
 
@@ -50,7 +50,7 @@ class _OpenCall:
     name: str
     accepted: bool
     index: int = -1
-    fragments: list[str] = field(default_factory=list)  # atomic mode buffer
+    fragments: list[str] = field(default_factory=list)  # every argument fragment so far
 
 
 class CallEmitter:
@@ -87,14 +87,22 @@ class CallEmitter:
             self._out.append(ToolCallStart(self._call.index, self._call_id(self._call.index), name))
         return True
 
+    @property
+    def name(self) -> str:
+        return self._call.name if self._call is not None else ""
+
+    @property
+    def arguments(self) -> str:
+        """The open call's arguments as emitted (or buffered) so far."""
+        return "".join(self._call.fragments) if self._call is not None else ""
+
     def args(self, fragment: str) -> None:
         call = self._call
         if call is None or not call.accepted or not fragment:
             return
+        call.fragments.append(fragment)
         if self._opts.emission_mode is Emission.INCREMENTAL:
             self._out.append(ToolCallArgs(call.index, fragment))
-        else:
-            call.fragments.append(fragment)
 
     def end(self, complete: bool) -> None:
         call, self._call = self._call, None
@@ -104,6 +112,7 @@ class CallEmitter:
             self._out.append(ToolCallEnd(call.index, complete))
         elif not complete:
             self._out.append(Diagnostic(Diag.TRUNCATED_CALL_DROPPED, call.name))
+            self._out.append(InvalidCall(None, call.name, "".join(call.fragments), Diag.TRUNCATED_CALL_DROPPED.value))
             return
         else:
             index = self._take_index()
@@ -113,6 +122,25 @@ class CallEmitter:
             self._out.append(ToolCallEnd(index, True))
         if complete:
             self.complete += 1
+
+    def invalid(self, reason: Diag, tail: str = "") -> None:
+        """The open call is not a call (arguments not valid JSON, or cut outside a token limit):
+        a started one ends incomplete, and the call is reported with what the model wrote
+        (`tail`: text the grammar held that never became a fragment)."""
+        call, self._call = self._call, None
+        if call is None or not call.accepted:
+            return
+        text = "".join(call.fragments) + tail
+        if self._opts.emission_mode is Emission.INCREMENTAL:
+            self._out.append(ToolCallEnd(call.index, False))
+            self._out.append(InvalidCall(call.index, call.name, text, reason.value))
+        else:
+            self._out.append(InvalidCall(None, call.name, text, reason.value))
+
+    def report(self, name: str, text: str, reason: Diag) -> None:
+        """A call that never opened (its name is unknown until it is parsed, as in Hermes)."""
+        if self._opts.tools_mode is ToolsMode.EMIT:
+            self._out.append(InvalidCall(None, name, text, reason.value))
 
     def abort(self) -> None:
         """A strict failure: an emitted call ends incomplete, a buffered one is discarded."""

@@ -1,4 +1,4 @@
-"""DeepSeek V3.2 / V4 DSML output parser at the token-id level (specs/dsml.md, Part 2).
+"""DeepSeek V3.2 / V4 DSML output parser at the token-id level (docs/dsml.md, "The parser").
 
 The DSML id is the only anchor. The `<`/`</` in front of it is recognised from the held bytes
 of the current region (it is often fused into the previous token: ` <`, `}</`, `.</`), and the
@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from pdserve.parsers.arguments import Arguments, Mode
 from pdserve.parsers.base import Pending, StreamParser
-from pdserve.parsers.calls import ArgsJoiner, valid_json
+from pdserve.parsers.calls import valid_json
 from pdserve.parsers.dsml_header import MAX_TAG_BYTES, Tag, TagKind, ValueKind, lex_header
 from pdserve.parsers.dsml_route import Action, State, route
 from pdserve.parsers.events import Diag
@@ -20,21 +21,26 @@ from pdserve.parsers.profiles import Profile
 from pdserve.parsers.text import DSML_TEXT_HOLD, VALUE_HOLD, WS, TextChannels, Utf8Sink, held_suffix, json_escape
 
 
+_MODES = {ValueKind.STRING: Mode.STRING, ValueKind.JSON: Mode.JSON, ValueKind.AUTO: Mode.AUTO}
+
+
 @dataclass
 class _Param:
     name: str
     value: ValueKind
     discard: bool  # duplicate name: parsed and swallowed, the first one wins
+    streamed: bool = False  # sent as a JSON string as it arrives; else buffered until the closer
     sink: Utf8Sink = field(default_factory=Utf8Sink)
     raw: bytearray = field(default_factory=bytearray)
 
 
 @dataclass
 class _Call:
+    args: Arguments
     names: set[str] = field(default_factory=set)
-    args: ArgsJoiner = field(default_factory=ArgsJoiner)
     body_done: bool = False    # a JSON body gave the whole arguments object
-    body_failed: bool = False  # a JSON body did not parse: the call ends incomplete
+    body_failed: bool = False  # a JSON body did not parse: the call is reported invalid
+    body_text: str = ""
 
 
 def _opener(hold: bytes) -> tuple[bool, int] | None:
@@ -62,6 +68,7 @@ class DsmlParser(StreamParser):
         self._tag_closing = False
         self._tag_return = State.TEXT     # the region the tag was opened from
         self._tag_sep = False             # `\n\n` stood before the opener
+        self._tag_newlines = 0            # how many separator newlines stood before it
         self._gap_hold = b""              # BLOCK/INVOKE: a `<` or `</` that may open a tag
         self._gap_ws = bytearray()        # strict: the whitespace between two tags
         self._gap_dirty = False           # lenient: stray text in this gap was reported
@@ -116,6 +123,7 @@ class DsmlParser(StreamParser):
             self._reject(Diag.BARE_DSML)
             return
         self._tag_return, self._tag_closing, self._tag_sep = self._state, found[0], found[1] == 2
+        self._tag_newlines = found[1]
         self._hdr.clear()
         self._state = State.TAG
 
@@ -203,7 +211,7 @@ class DsmlParser(StreamParser):
         param = self._param
         if param is None or param.discard:
             return
-        if param.value is ValueKind.STRING:
+        if param.streamed:
             self._calls.args(json_escape(param.sink.push(out)))
         else:
             param.raw += out
@@ -243,7 +251,7 @@ class DsmlParser(StreamParser):
             self._open_block(implicit=action is Action.IMPLICIT_BLOCK)
         elif action is Action.START_CALL:
             self._calls.start(tag.name)
-            self._call = _Call()
+            self._call = _Call(Arguments(self._calls, self.options, tag.name, self._diag))
             self._state = State.INVOKE
         elif action is Action.END_BLOCK:
             self._state = State.TEXT
@@ -270,12 +278,13 @@ class DsmlParser(StreamParser):
             text.release()
             text.close()
             text.reasoning = False
-        elif self.options.strict and (not self._tag_sep or self._block_seen):
-            self._fail(Diag.TEXT_AFTER_BLOCK if self._block_seen else Diag.NO_SEPARATOR)
+        elif self.options.strict and self._block_seen:
+            self._fail(Diag.TEXT_AFTER_BLOCK)
             return
         elif not self._tag_sep and not implicit:
-            self._diag(Diag.NO_SEPARATOR)
+            self._diag(Diag.NO_SEPARATOR)  # strict too: the peers' outputs often lack the blank line
         text.release()
+        text.before_call(self._tag_newlines)
         text.close()
         if implicit:
             self._diag(Diag.IMPLICIT_BLOCK)
@@ -293,9 +302,8 @@ class DsmlParser(StreamParser):
                 return
         else:
             call.names.add(tag.name)
-        self._param = _Param(tag.name, tag.value, discard)
-        if tag.value is ValueKind.STRING and not discard:
-            self._calls.args(call.args.key(tag.name) + '"')
+        streamed = not discard and call.args.begin(tag.name, _MODES[tag.value])
+        self._param = _Param(tag.name, tag.value, discard, streamed)
         self._state = State.PARAM
 
     def _end_param(self) -> None:
@@ -304,18 +312,15 @@ class DsmlParser(StreamParser):
         call = self._call
         if param is None or param.discard or call is None:
             return
-        if param.value is ValueKind.STRING:
+        if param.streamed:
             self._calls.args(json_escape(param.sink.close()) + '"')
             return
         text = bytes(param.raw).decode("utf-8", "replace")
-        if valid_json(text):
-            self._calls.args(call.args.key(param.name) + text)
+        if call.args.end(param.name, _MODES[param.value], text):
             return
-        if param.value is ValueKind.JSON:
-            self._reject(Diag.VALUE_NOT_JSON, param.name)
-            if self._failed:
-                return
-        self._calls.args(call.args.key(param.name) + json.dumps(text, ensure_ascii=False))
+        self._reject(Diag.VALUE_NOT_JSON, param.name)
+        if not self._failed:
+            call.args.end_as_string(param.name, text)
 
     def _end_body(self) -> None:
         self._state = State.INVOKE
@@ -334,6 +339,7 @@ class DsmlParser(StreamParser):
         else:
             self._diag(Diag.INVALID_JSON_BODY, text[:64])
             call.body_failed = True
+            call.body_text = text
 
     def _end_call(self) -> None:
         call, self._call = self._call, None
@@ -341,10 +347,10 @@ class DsmlParser(StreamParser):
         if call is None:
             return
         if call.body_failed:
-            self._calls.end(complete=False)
+            self._calls.invalid(Diag.INVALID_JSON_BODY, call.body_text)
             return
         if not call.body_done:
-            self._calls.args(call.args.close())
+            call.args.close()
         self._calls.end(complete=True)
 
     # ---- end of stream --------------------------------------------------------------------------
@@ -361,11 +367,27 @@ class DsmlParser(StreamParser):
             text.release()
             text.close()
             return
-        self._diag(Diag.ENDED_INSIDE_BLOCK, self._state.value)
+        call = self._call
+        if self._state is State.JSONBODY and call is not None:
+            self._body += self._val_hold
+            self._end_body()
         self._gap_hold = self._val_hold = b""
+        if self._state is State.INVOKE and call is not None and not call.body_failed:
+            self._call = None  # every value was closed: the arguments are complete
+            if not call.body_done:
+                call.args.close()
+            self._end_call_at_finish()
+            return
+        if self._state is State.BLOCK:  # the calls ended; only </function_calls> is missing
+            self._diag(Diag.ENDED_INSIDE_BLOCK, "block")
+            return
+        self._diag(Diag.ENDED_INSIDE_BLOCK, self._state.value)
         param, self._param = self._param, None
-        if param is not None and param.value is ValueKind.STRING and not param.discard:
+        if param is not None and not param.discard and param.streamed:
             self._calls.args(json_escape(param.sink.close()))  # no closing quote is invented
-        if self._call is not None:
-            self._call = None
-            self._calls.end(complete=False)
+        elif param is not None and not param.discard and call is not None:
+            call.args.cut(param.name, _MODES[param.value], bytes(param.raw).decode("utf-8", "replace"))
+        elif call is not None:
+            call.args.flush()
+        self._call = None
+        self._end_cut_call(call.body_text if call is not None else "")

@@ -34,6 +34,11 @@ class Diag(str, Enum):
     UNKNOWN_TOOL = "unknown_tool"
     ENDED_INSIDE_BLOCK = "ended_inside_block"
     TRUNCATED_CALL_DROPPED = "truncated_call_dropped"
+    CALL_CLOSED_AT_END = "call_closed_at_end"    # the output ended inside a call whose arguments were complete
+    VALUE_CONVERTED = "value_converted"          # a string value took its schema type (integer, …)
+    VALUE_NOT_CONVERTED = "value_not_converted"  # the schema asked for a type the value cannot take
+    ARGUMENTS_UNWRAPPED = "arguments_unwrapped"  # a lone `arguments`/`input` object became the arguments
+    MISSING_FENCE = "missing_fence"              # DeepSeek V3: the ```json fence around arguments is off
 
 
 class FinishReason(str, Enum):
@@ -73,6 +78,19 @@ class ToolCallEnd:
 
 
 @dataclass(frozen=True, slots=True)
+class InvalidCall:
+    """A call the model wrote that is not returned as a call (its arguments are not valid JSON,
+    or the output ended inside it outside a token-limit cut). Never content: the frontend shows
+    it apart (docs/tool-calls.md). `index` is the call's streamed index when its start was
+    already sent (clients drop that index), None when nothing of it was sent."""
+
+    index: int | None
+    name: str
+    text: str    # what the model wrote for it: the arguments so far (Hermes: the raw body)
+    reason: str  # the Diag value that explains it
+
+
+@dataclass(frozen=True, slots=True)
 class Diagnostic:
     code: Diag
     detail: str = ""
@@ -84,4 +102,5 @@ class Finish:
     reason: FinishReason
 
 
-Event = Union[ReasoningDelta, ContentDelta, ToolCallStart, ToolCallArgs, ToolCallEnd, Diagnostic, Finish]
+Event = Union[ReasoningDelta, ContentDelta, ToolCallStart, ToolCallArgs, ToolCallEnd, InvalidCall, Diagnostic,
+              Finish]

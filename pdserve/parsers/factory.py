@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pdserve.parsers.base import StreamParser
+from pdserve.parsers.deepseek_v3 import DeepSeekV3Parser
 from pdserve.parsers.dsml import DsmlParser
 from pdserve.parsers.glm import GlmParser
 from pdserve.parsers.hermes import HermesParser
@@ -14,6 +15,7 @@ _PARSERS: dict[Format, type[StreamParser]] = {
     Format.DSML: DsmlParser,
     Format.GLM: GlmParser,
     Format.HERMES: HermesParser,
+    Format.DSV3: DeepSeekV3Parser,
 }
 
 

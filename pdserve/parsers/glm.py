@@ -2,16 +2,16 @@
 
 All six tags are single ids, so the grammar is a small state machine over marker ids; bytes
 only matter inside the name, keys and values. String values are written raw by the chat
-template, so a value's JSON type comes from the request's tool schema when there is one.
+template, so a value's JSON type comes from the request's tool schema when there is one
+(arguments.py); without one, a value that parses as non-string JSON is taken as that JSON.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pdserve.parsers.arguments import Arguments, Mode
 from pdserve.parsers.base import Pending, StreamParser
-from pdserve.parsers.calls import ArgsJoiner, valid_json
 from pdserve.parsers.events import Diag
 from pdserve.parsers.options import ParserOptions
 from pdserve.parsers.profiles import Profile
@@ -68,8 +68,9 @@ def route(state: State, mark: Mark, strict: bool) -> Action:
 @dataclass
 class _Value:
     key: str
-    kind: str          # "string" streams as a JSON string; "json" must validate; "auto" guesses
+    mode: Mode         # STRING when the schema types the parameter, else AUTO
     discard: bool
+    streamed: bool     # sent as a JSON string as it arrives; else buffered until </arg_value>
     sink: Utf8Sink = field(default_factory=Utf8Sink)
     raw: bytearray = field(default_factory=bytearray)
 
@@ -92,7 +93,7 @@ class GlmParser(StreamParser):
         self._name = ""
         self._key: str | None = None  # a key read, waiting for its value
         self._keys: set[str] = set()
-        self._args = ArgsJoiner()
+        self._args: Arguments | None = None
         self._value: _Value | None = None
         self._gap_dirty = False
 
@@ -180,7 +181,8 @@ class GlmParser(StreamParser):
     def _end_name(self) -> None:
         self._name = bytes(self._buf).decode("utf-8", "replace").strip()
         self._buf.clear()
-        self._keys, self._key, self._args, self._gap_dirty = set(), None, ArgsJoiner(), False
+        self._keys, self._key, self._gap_dirty = set(), None, False
+        self._args = Arguments(self._calls, self.options, self._name, self._diag)
         self._state = State.ARGS
         if self._name:
             self._calls.start(self._name)
@@ -196,18 +198,17 @@ class GlmParser(StreamParser):
                 return
         else:
             self._keys.add(key)  # type: ignore[arg-type]
-        schema = self.options.param_types.get(self._name, {}).get(key or "")
-        kind = "auto" if schema is None else ("string" if schema == "string" else "json")
-        self._value = _Value(key or "", kind, discard)
-        if kind == "string" and not discard:
-            self._calls.args(self._args.key(key or "") + '"')
+        schema = self.options.param_schema(self._name, key or "")
+        mode = Mode.STRING if schema is not None and schema.kind is not None else Mode.AUTO
+        streamed = not discard and self._args is not None and self._args.begin(key or "", mode)
+        self._value = _Value(key or "", mode, discard, streamed)
         self._state = State.VALUE
 
     def _value_bytes(self, data: bytes) -> None:
         value = self._value
         if value is None or value.discard:
             return
-        if value.kind == "string":
+        if value.streamed:
             self._calls.args(json_escape(value.sink.push(data)))
         else:
             value.raw += data
@@ -218,18 +219,10 @@ class GlmParser(StreamParser):
         self._gap_dirty = False
         if value is None or value.discard:
             return
-        if value.kind == "string":
+        if value.streamed:
             self._calls.args(json_escape(value.sink.close()) + '"')
-            return
-        text = bytes(value.raw).decode("utf-8", "replace")
-        if valid_json(text) and not (value.kind == "auto" and isinstance(json.loads(text), str)):
-            self._calls.args(self._args.key(value.key) + text)
-            return
-        if value.kind == "json":
-            self._reject(Diag.VALUE_NOT_JSON, value.key)
-            if self._failed:
-                return
-        self._calls.args(self._args.key(value.key) + json.dumps(text, ensure_ascii=False))
+        elif self._args is not None:
+            self._args.end(value.key, value.mode, bytes(value.raw).decode("utf-8", "replace"))
 
     def _end_call(self) -> None:
         self._state = State.TEXT
@@ -239,8 +232,8 @@ class GlmParser(StreamParser):
             self._key = None
             if self._failed:
                 return
-        if self._calls.open:
-            self._calls.args(self._args.close())
+        if self._calls.open and self._args is not None:
+            self._args.close()
             self._calls.end(complete=True)
 
     def _on_finish(self) -> None:
@@ -251,9 +244,19 @@ class GlmParser(StreamParser):
             text.release()
             text.close()
             return
+        if self._state is State.ARGS and self._key is None and self._calls.open and self._args is not None:
+            self._args.close()  # every value was closed: the arguments are complete
+            self._end_call_at_finish()
+            return
         self._diag(Diag.ENDED_INSIDE_BLOCK, self._state.value)
+        if self._state is State.NAME:  # the name may be cut: nothing was sent, report it
+            self._calls.report(bytes(self._buf).decode("utf-8", "replace").strip(), "", Diag.ENDED_INSIDE_BLOCK)
+            return
         value, self._value = self._value, None
-        if value is not None and value.kind == "string" and not value.discard:
+        if value is not None and not value.discard and value.streamed:
             self._calls.args(json_escape(value.sink.close()))
-        if self._calls.open:
-            self._calls.end(complete=False)
+        elif value is not None and not value.discard and self._args is not None:
+            self._args.cut(value.key, value.mode, bytes(value.raw).decode("utf-8", "replace"))
+        elif self._args is not None:
+            self._args.flush()
+        self._end_cut_call()

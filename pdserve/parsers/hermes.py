@@ -2,11 +2,13 @@
 
 Both markers are single ids, so only the newline separator in front of `<tool_call>` is held
 back in text. A call is emitted when its closing marker arrives: the JSON body cannot be
-attributed to a name before it is complete, so this grammar is atomic per call.
+attributed to a name before it is complete, so this grammar is atomic per call. A body that is
+not a call is reported (InvalidCall) with its text, never shown as content.
 """
 from __future__ import annotations
 
 import json
+import re
 from enum import Enum
 
 from pdserve.parsers.base import Pending, StreamParser
@@ -15,6 +17,8 @@ from pdserve.parsers.events import Diag
 from pdserve.parsers.options import ParserOptions
 from pdserve.parsers.profiles import Profile
 from pdserve.parsers.text import NEWLINE_HOLD, WS, TextChannels
+
+_NAME = re.compile(r'"name"\s*:\s*"([^"\\]*)"')
 
 
 class State(Enum):
@@ -56,7 +60,9 @@ class HermesParser(StreamParser):
 
     def _on_open(self) -> None:
         if self._state is State.CALL:
-            self._reject(Diag.INVALID_CALL, "<tool_call> inside a call; the unfinished body is dropped")
+            body = bytes(self._body).decode("utf-8", "replace").strip()
+            self._calls.report(_guess_name(body), body, Diag.INVALID_CALL)
+            self._reject(Diag.INVALID_CALL, "<tool_call> inside a call; the unfinished body is reported")
             self._body.clear()
             return
         text = self._text
@@ -80,6 +86,7 @@ class HermesParser(StreamParser):
         self._body.clear()
         call = _decode_call(body)
         if call is None:
+            self._calls.report(_guess_name(body), body, Diag.INVALID_CALL)
             self._reject(Diag.INVALID_CALL, body[:64])
             return
         name, arguments = call
@@ -89,13 +96,26 @@ class HermesParser(StreamParser):
 
     def _on_finish(self) -> None:
         if self._state is State.CALL:
+            body = bytes(self._body).decode("utf-8", "replace").strip()
+            call = _decode_call(body)
+            if call is not None:  # a complete body without </tool_call>: the call stands
+                self._calls.start(call[0])
+                self._calls.args(call[1])
+                self._end_call_at_finish()
+                return
             self._diag(Diag.ENDED_INSIDE_BLOCK, "call")
+            self._calls.report(_guess_name(body), body, Diag.ENDED_INSIDE_BLOCK)
             return
         text = self._text
         if self._block_seen and not text.reasoning and not text.pend.strip(WS):
             text.pend = b""
         text.release()
         text.close()
+
+
+def _guess_name(body: str) -> str:
+    m = _NAME.search(body)
+    return m.group(1) if m else ""
 
 
 def _decode_call(body: str) -> tuple[str, str] | None:

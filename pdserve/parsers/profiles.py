@@ -24,6 +24,21 @@ _EOS_COMMON = ("<\uff5cend\u2581of\u2581sentence\uff5c>", "<|endoftext|>", "<|im
 _EOS_GLM = ("<|user|>", "<|observation|>")
 _GLM_MARKERS = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
 _HERMES_MARKERS = ("<tool_call>", "</tool_call>")
+# DeepSeek V3 / R1 / V3.1: calls begin, calls end, call begin, call end, separator.
+_DSV3_MARKERS = ("<\uff5ctool\u2581calls\u2581begin\uff5c>", "<\uff5ctool\u2581calls\u2581end\uff5c>",
+                 "<\uff5ctool\u2581call\u2581begin\uff5c>", "<\uff5ctool\u2581call\u2581end\uff5c>",
+                 "<\uff5ctool\u2581sep\uff5c>")
+# Only V3.1 (of the V3-marker tokenizers without DSML) has the search markers as single tokens.
+_V31_ONLY = "<\uff5csearch\u2581begin\uff5c>"
+# Override names (the future --tool-call-parser flag) -> family; peers' names are accepted too.
+PARSER_NAMES: dict[str, str] = {
+    "deepseek_v3": "deepseek_v3", "deepseek_r1": "deepseek_v3",
+    "deepseek_v31": "deepseek_v31",
+    "deepseek_v32": "deepseek_v32", "deepseek_v4": "deepseek_v4",
+    "glm": "glm", "glm45": "glm", "glm47": "glm",
+    "hermes": "hermes", "qwen": "hermes", "qwen25": "hermes", "qwen3": "hermes",
+    "plain": "plain", "none": "plain",
+}
 # Control tokens shaped like <｜…｜> or <|…|> never become text, even where not marked special.
 _CONTROL = re.compile(rb"<(\xef\xbd\x9c|\|)[^\s]*(\xef\xbd\x9c|\|)>\Z")
 _KNOWN_DSML_IDS = {128793: "function_calls", 128825: "tool_calls"}
@@ -38,6 +53,7 @@ class Format(Enum):
     DSML = "dsml"      # DeepSeek V3.2 / V4
     GLM = "glm"        # GLM-4.5 … GLM-5 <tool_call>name<arg_key>…
     HERMES = "hermes"  # Qwen and other <tool_call>{json}</tool_call> models
+    DSV3 = "dsv3"      # DeepSeek V3 / R1 / V3.1: <｜tool▁call▁begin｜>…<｜tool▁sep｜>…
 
 
 @dataclass(frozen=True)
@@ -69,6 +85,16 @@ class HermesIds:
 
 
 @dataclass(frozen=True)
+class DsV3Ids:
+    calls_begin: int
+    calls_end: int
+    call_begin: int
+    call_end: int
+    sep: int
+    fenced: bool  # V3/R1: `function<sep>NAME\n```json\nARGS\n```` ; V3.1: `NAME<sep>ARGS`
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     format: Format
@@ -79,12 +105,13 @@ class Profile:
     dsml: DsmlIds | None = None
     glm: GlmIds | None = None
     hermes: HermesIds | None = None
+    dsv3: DsV3Ids | None = None
 
     def marker_ids(self) -> frozenset[int]:
         ids: list[int] = []
-        for part in (self.think, self.dsml, self.glm, self.hermes):
+        for part in (self.think, self.dsml, self.glm, self.hermes, self.dsv3):
             if part is not None:
-                ids.extend(v for v in vars(part).values() if isinstance(v, int))
+                ids.extend(v for v in vars(part).values() if isinstance(v, int) and not isinstance(v, bool))
         return frozenset(ids)
 
 
@@ -96,11 +123,23 @@ def single_token(vocab: Vocab, text: str) -> int | None:
     return token_id
 
 
-def resolve_profile(vocab: Vocab, model_type_hint: str | None = None) -> Profile:
-    """Pick the output grammar for a tokenizer; the hint (config.json `model_type` or a family
-    name such as "deepseek_v32", "glm", "qwen", "plain") forces a family and makes its markers
-    mandatory."""
-    family = _family(model_type_hint) or _detect(vocab)
+def resolve_profile(vocab: Vocab, model_type_hint: str | None = None, chat_template: str | None = None,
+                    override: str | None = None) -> Profile:
+    """Pick the output grammar for a tokenizer.
+
+    `override` (a name from PARSER_NAMES, the `--tool-call-parser` flag) forces a family; an
+    unknown name is a ProfileError. Otherwise the hint (config.json `model_type` or a family name
+    such as "deepseek_v32", "glm", "qwen", "plain") forces a family, else the tokenizer decides;
+    the chat template (when given) tells DeepSeek V3/R1 calls from V3.1 calls, which share their
+    marker tokens. A forced family's markers are mandatory."""
+    if override is not None:
+        family = PARSER_NAMES.get(override.strip().lower().replace("-", "_").replace(".", ""))
+        if family is None:
+            raise ProfileError(f"unknown tool-call parser {override!r}; one of {', '.join(sorted(PARSER_NAMES))}")
+    else:
+        family = _family(model_type_hint) or _detect(vocab)
+        if family in ("deepseek_v3", "deepseek_v31") and chat_template:
+            family = _dsv3_family_from_template(chat_template) or family
     think = _think(vocab, required=family in ("deepseek_v32", "deepseek_v4"))
     if family in ("deepseek_v32", "deepseek_v4"):
         dsml = _require(vocab, family, DSML)
@@ -111,6 +150,10 @@ def resolve_profile(vocab: Vocab, model_type_hint: str | None = None) -> Profile
     elif family == "hermes":
         ids = [_require(vocab, family, m) for m in _HERMES_MARKERS]
         profile = _build(vocab, family, Format.HERMES, think, hermes=HermesIds(*ids))
+    elif family in ("deepseek_v3", "deepseek_v31"):
+        ids = [_require(vocab, family, m) for m in _DSV3_MARKERS]
+        profile = _build(vocab, family, Format.DSV3, think,
+                         dsv3=DsV3Ids(*ids, fenced=family == "deepseek_v3"))
     else:
         profile = _build(vocab, "plain", Format.PLAIN, think)
     log.info("output parser profile %s (think=%s, eos=%s)", profile.name, profile.think,
@@ -158,11 +201,23 @@ def _detect(vocab: Vocab) -> str:
         if _KNOWN_DSML_IDS.get(dsml) == "tool_calls" or single_token(vocab, "<\uff5clatest_reminder\uff5c>"):
             return "deepseek_v4"
         return "deepseek_v32"
+    if all(single_token(vocab, m) is not None for m in _DSV3_MARKERS):
+        return "deepseek_v31" if single_token(vocab, _V31_ONLY) is not None else "deepseek_v3"
     if all(single_token(vocab, m) is not None for m in _GLM_MARKERS):
         return "glm"
     if all(single_token(vocab, m) is not None for m in _HERMES_MARKERS):
         return "hermes"
     return "plain"
+
+
+def _dsv3_family_from_template(template: str) -> str | None:
+    """V3/R1 templates write `tool['type'] + '<｜tool▁sep｜>'`, V3.1 writes the name there."""
+    sep = "<\uff5ctool\u2581sep\uff5c>"
+    if re.search(r"\[['\"]type['\"]\]\s*\+\s*['\"]" + sep, template):
+        return "deepseek_v3"
+    if re.search(r"\[['\"]name['\"]\]\s*\+\s*['\"]" + sep, template):
+        return "deepseek_v31"
+    return None
 
 
 def _require(vocab: Vocab, family: str, marker: str) -> int:

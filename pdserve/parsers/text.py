@@ -34,6 +34,12 @@ def json_escape(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)[1:-1]
 
 
+def separator(ws: bytes) -> bytes:
+    """One separator for a run of white space: a blank line, a newline, a space, or nothing."""
+    newlines = min(2, ws.count(b"\n"))
+    return b"\n" * newlines if newlines else (b" " if ws else b"")
+
+
 class Utf8Sink:
     """Incremental UTF-8 decoder: holds at most 3 bytes of an unfinished code point."""
 
@@ -67,13 +73,29 @@ class TextChannels:
         self.pend = b""                # held bytes, always a suffix matched by `hold`
         self.content_started = False   # non-whitespace content was released
         self.lstrip = b"\n" if reasoning and trim_think else b""  # bytes dropped before the next text
+        # Around calls (docs/tool-calls.md §3): the newlines in front of a call are formatting;
+        # the whitespace after it is held, as one separator (`separator()`), until text resumes,
+        # which then gets that separator, or if the model wrote none after the call, the one
+        # it wrote before it. Whitespace that no text follows is dropped.
+        self.after_call = False
+        self.gap = b""
+        self.sep = b""
         self._sinks = {True: Utf8Sink(), False: Utf8Sink()}
 
     def after_block(self) -> None:
-        """Text after a tool-call block starts at its first non-whitespace byte."""
-        self.lstrip = WS
+        """A call (or block of calls) ended: whitespace is held until text resumes."""
+        self.after_call = True
+        self.gap = b""
 
     def push(self, data: bytes) -> None:
+        if self.after_call:
+            rest = data.lstrip(WS)
+            self.gap = separator(self.gap + data[:len(data) - len(rest)])
+            if not rest:
+                return
+            self.after_call = False
+            sep = (self.gap or self.sep) if self.content_started and not self.reasoning else b""
+            data, self.gap = sep + rest, b""
         if self.lstrip:
             data = data.lstrip(self.lstrip)
             if not data:
@@ -111,6 +133,13 @@ class TextChannels:
         self.release()
         return count
 
+    def before_call(self, newlines: int) -> None:
+        """A call starts after `newlines` separator newlines (already taken from the hold-back)."""
+        if not self.after_call:  # calls back to back keep the separator of the first one
+            self.sep = separator(b"\n" * newlines) if self.content_started and not self.reasoning else b""
+        self.after_call = False
+        self.gap = b""
+
     def close(self) -> None:
         """Flush the current channel's UTF-8 sink (a broken code point becomes U+FFFD)."""
         self._emit_text(self._sinks[self.reasoning].close())
@@ -118,7 +147,7 @@ class TextChannels:
     def end_before_call(self) -> None:
         """A tool call starts: the separator newlines in front of it are formatting, the text
         so far is flushed, and text after the call is content."""
-        self.take_newlines()
+        self.before_call(self.take_newlines())
         self.close()
         self.reasoning = False
         self.lstrip = b""
@@ -146,7 +175,7 @@ class TextChannels:
         return Diag.STRAY_THINK
 
     def held(self) -> int:
-        return len(self.pend)
+        return len(self.pend) + len(self.gap)
 
     def utf8_held(self) -> int:
         return max(sink.held() for sink in self._sinks.values())

@@ -15,11 +15,14 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from .plan import Inbox, SampledToken, StepOutput, StepPlan, TransferOutcome
+from pdserve.engine.sequence import Sequence
+
+from .plan import Inbox, SampledToken, StepOutput, StepPlan, TransferKind, TransferOutcome
+from .recent import RecentIds
 from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -37,29 +40,41 @@ class Observation:
     digest_step: int = -1
 
 
+@dataclass
+class _RoomReports:
+    """What each rank reported of one room so far (rank 0's view)."""
+
+    kinds: dict[int, set[TransferKind]] = field(default_factory=dict)
+    token: SampledToken | None = None  # rank 0's: only rank 0 samples
+    error: str | None = None           # the first failure's
+    failed: bool = False               # FAILED was agreed (once)
+
+
 class TransferAgreement:
-    """Rank 0's view of every room across ranks: per-rank results → agreed outcomes."""
+    """Rank 0's view of every room across ranks: per-rank results → agreed outcomes.
+
+    `settled` remembers rooms already decided, so a rank's late report of one is dropped. It
+    is not the abort memory of the engine (requests) nor the room tombstones of a transfer
+    agent (one rank's peer messages): it keys the agreement's own decisions, on rank 0."""
 
     def __init__(self, size: int, remember: int = 100_000):
         self.size = size
-        self._rooms: dict[str, dict] = {}
-        self._ended: OrderedDict[str, None] = OrderedDict()  # settled rooms: late reports dropped
-        self._remember = remember
+        self._rooms: dict[str, _RoomReports] = {}
+        self.settled = RecentIds(capacity=remember)
 
     def add(self, observations: list[Observation]) -> list[TransferOutcome]:
         out: list[TransferOutcome] = []
         touched: list[str] = []
         for obs in observations:
             for t in obs.transfers:
-                if t.request_id in self._ended:
+                if t.request_id in self.settled:
                     continue
-                room = self._rooms.setdefault(t.request_id, {"kinds": {}, "token": None, "error": None,
-                                                             "failed": False})
-                room["kinds"].setdefault(obs.rank, set()).add(t.kind)
-                if t.kind == "arrived" and obs.rank == 0:
-                    room["token"] = t.token
-                if t.kind == "failed" and room["error"] is None:
-                    room["error"] = f"rank {obs.rank}: {t.error}"
+                room = self._rooms.setdefault(t.request_id, _RoomReports())
+                room.kinds.setdefault(obs.rank, set()).add(t.kind)
+                if t.kind is TransferKind.ARRIVED and obs.rank == 0:
+                    room.token = t.token
+                if t.kind is TransferKind.FAILED and room.error is None:
+                    room.error = f"rank {obs.rank}: {t.error}"
                 touched.append(t.request_id)
         for rid in dict.fromkeys(touched):
             out += self._decide(rid)
@@ -67,28 +82,29 @@ class TransferAgreement:
 
     def _decide(self, rid: str) -> list[TransferOutcome]:
         room = self._rooms[rid]
-        kinds = [room["kinds"].get(r, set()) for r in range(self.size)]
+        kinds = [room.kinds.get(r, set()) for r in range(self.size)]
         out = []
-        if not room["failed"] and any("failed" in k for k in kinds):
-            room["failed"] = True
-            out.append(TransferOutcome(rid, "failed", error=room["error"]))
-        if room["failed"] or any("fenced" in k for k in kinds):
-            if all(k & {"fenced", "arrived", "written"} for k in kinds):  # nothing can write any more
-                out.append(TransferOutcome(rid, "fenced"))
+        if not room.failed and any(TransferKind.FAILED in k for k in kinds):
+            room.failed = True
+            out.append(TransferOutcome(rid, TransferKind.FAILED, error=room.error))
+        if room.failed or any(TransferKind.FENCED in k for k in kinds):
+            if all(k & _LAST_WORDS for k in kinds):  # nothing can write on any rank any more
+                out.append(TransferOutcome(rid, TransferKind.FENCED))
                 self._end(rid)
-        elif all("arrived" in k for k in kinds):
-            out.append(TransferOutcome(rid, "arrived", room["token"]))
+        elif all(TransferKind.ARRIVED in k for k in kinds):
+            out.append(TransferOutcome(rid, TransferKind.ARRIVED, room.token))
             self._end(rid)
-        elif all("written" in k for k in kinds):
-            out.append(TransferOutcome(rid, "written"))
+        elif all(TransferKind.WRITTEN in k for k in kinds):
+            out.append(TransferOutcome(rid, TransferKind.WRITTEN))
             self._end(rid)
         return out
 
     def _end(self, rid: str) -> None:
         del self._rooms[rid]
-        self._ended[rid] = None
-        if len(self._ended) > self._remember:
-            self._ended.popitem(last=False)
+        self.settled.add(rid)
+
+
+_LAST_WORDS = frozenset({TransferKind.FENCED, TransferKind.ARRIVED, TransferKind.WRITTEN})
 
 
 def state_digest(scheduler: Scheduler, trace_digest: str) -> dict[str, str]:
@@ -99,7 +115,7 @@ def state_digest(scheduler: Scheduler, trace_digest: str) -> dict[str, str]:
     return {
         "waiting": h([s.request_id for s in scheduler.waiting]),
         "running": h([s.request_id for s in scheduler.running]),
-        "held": h(sorted((r, s.finish_reason) for r, s in scheduler.held.items())),
+        "held": h(sorted((r, s.status.value, s.finish_reason) for r, s in scheduler.held.items())),
         "progress": h([(r, s.num_computed, len(s.output_ids)) for r, s in seqs]),
         "block_tables": h([(r, s.block_table) for r, s in seqs] +
                           sorted((r, s.block_table) for r, s in scheduler.held.items())),
@@ -121,11 +137,21 @@ def first_divergence(observations: list[Observation]) -> str | None:
     return None
 
 
+class TransferLink(Protocol):
+    """One rank's transfer, as the loop sees it (engine/kv_link.py; tests pass in their own)."""
+
+    def observe(self) -> list[TransferOutcome]:
+        """This rank's transfer results since the last call."""
+
+    def act(self, plan: StepPlan, outputs: list[StepOutput], held: dict[str, Sequence]) -> None:
+        """Carry out the plan's transfer decisions on this rank."""
+
+
 class LockstepLoop:
     """One TP rank's loop body. `run_batch(batch, sample)` runs the forward (all ranks) and
-    samples (rank 0 only); `link` is this rank's transfer agent adapter, if any."""
+    samples (rank 0 only); `link` is this rank's transfer, if any."""
 
-    def __init__(self, scheduler: Scheduler, comm, run_batch: Callable, link=None,
+    def __init__(self, scheduler: Scheduler, comm, run_batch: Callable, link: TransferLink | None = None,
                  digest_every: int = 0, trace=None):
         self.scheduler, self.comm, self.run_batch, self.link = scheduler, comm, run_batch, link
         self.rank = comm.rank

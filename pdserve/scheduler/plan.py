@@ -6,23 +6,39 @@ Rank 0 builds it; every rank applies it in the same order, so all ranks keep ide
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import TokenLogprobs
+from pdserve.engine.sequence import FinishReason, KVRole, TokenLogprobs
+
+
+@dataclass(frozen=True)
+class KVPeer:
+    """The other worker of a PD request, as the transfer needs it.
+
+    Decode side: `worker_id` is the prefill worker that will write the room (its agents are
+    named after it). Prefill side: `worker_id` is the decode worker, `bootstrap` its per-rank
+    transfer bootstrap (rank i writes to rank i) and `blocks` the room's blocks there."""
+
+    worker_id: str
+    bootstrap: tuple[str, ...] = ()
+    blocks: tuple[int, ...] = ()
 
 
 @dataclass
 class NewRequest:
-    """A request to serve. `kv` says where its KV cache comes from and goes to:
-    "local" (prefill and decode here), "prefill" (prefill here, then hand the KV to a decode
-    worker) or "decode" (the KV arrives from a prefill worker into blocks allocated now)."""
+    """A request to serve. `kv` says where its KV cache comes from and goes to (`KVRole`);
+    PD roles carry their `peer`."""
 
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     arrival: float = 0.0
-    kv: str = "local"
-    peer: dict | None = None  # transfer details for the worker loop (peer agent, blocks)
+    kv: KVRole = KVRole.LOCAL
+    peer: KVPeer | None = None
+
+    def __post_init__(self) -> None:
+        self.kv = KVRole(self.kv)
 
 
 @dataclass
@@ -30,7 +46,7 @@ class Inbox:
     """What rank 0 drained this step: new requests, aborts (id, reason), a shutdown request."""
 
     new: list[NewRequest] = field(default_factory=list)
-    aborts: list[tuple[str, str]] = field(default_factory=list)
+    aborts: list[tuple[str, FinishReason]] = field(default_factory=list)
     shutdown: bool = False
 
 
@@ -41,14 +57,22 @@ class SampledToken:
     logprobs: TokenLogprobs | None = None
 
 
+class TransferKind(Enum):
+    """What a rank saw of a room's transfer; agreed across ranks, the same kinds mean:"""
+
+    ARRIVED = "arrived"  # decode: the KV and first token landed (on every rank)
+    WRITTEN = "written"  # prefill: the KV and first token were sent (from every rank)
+    FAILED = "failed"    # the transfer failed (on any rank)
+    FENCED = "fenced"    # nothing can write the room's blocks any more (on every rank)
+
+
 @dataclass
 class TransferOutcome:
-    """A room's transfer result, agreed across ranks: "arrived" (decode: the KV and first token
-    landed on every rank), "written" (prefill: sent from every rank), "failed" (on any rank),
-    "fenced" (every rank: nothing can write the room's blocks any more; they may be reused)."""
+    """A room's transfer result: per rank in an observation, agreed across ranks in a plan.
+    `token` comes with ARRIVED, `error` with FAILED."""
 
     request_id: str
-    kind: str
+    kind: TransferKind
     token: SampledToken | None = None
     error: str | None = None
 
@@ -68,7 +92,7 @@ class StepPlan:
     step: int
     sampled: list[SampledToken] = field(default_factory=list)  # last step's tokens, appended first
     transfers: list[TransferOutcome] = field(default_factory=list)
-    aborted: list[tuple[str, str]] = field(default_factory=list)  # (request id, reason)
+    aborted: list[tuple[str, FinishReason]] = field(default_factory=list)  # (request id, reason)
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (request id, error message)
     admitted: list[NewRequest] = field(default_factory=list)
     deferred: list[NewRequest] = field(default_factory=list)  # decode rooms waiting for free blocks
@@ -90,6 +114,6 @@ class StepOutput:
     request_id: str
     token_id: int | None = None
     logprobs: TokenLogprobs | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | "prefilled"
+    finish_reason: FinishReason | None = None
     error: str | None = None
     room_blocks: list[int] | None = None  # decode: blocks allocated for the room's KV

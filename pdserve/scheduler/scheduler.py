@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from pdserve.engine.sequence import Sequence, SequenceStatus
+from pdserve.engine.sequence import FinishReason, KVRole, Sequence, SequenceStatus
 from pdserve.kvcache import BlockAllocator
 from pdserve.logs import about
 
+from .lifecycle import HeldEvent, ended
+from .lifecycle import step as held_step
 from .plan import (Inbox, NewRequest, SampledToken, ScheduledChunk, StepOutput, StepPlan,
                    TransferOutcome)
 
@@ -26,6 +28,17 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # the chunked-prefill token budget of one step
     max_model_len: int = 8192
+
+
+@dataclass
+class _Ends:
+    """The planner's projection of what ends this step: requests that leave the queues, the
+    blocks that come back, held rooms whose KV landed, and every held request's new status."""
+
+    held: dict[str, SequenceStatus]
+    gone: set[str] = field(default_factory=set)
+    freed: int = 0
+    arrived: list[SampledToken] = field(default_factory=list)
 
 
 @dataclass
@@ -49,8 +62,8 @@ class Scheduler:
         self.eos_token_ids = eos_token_ids
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.seqs: dict[str, Sequence] = {}  # live requests (waiting, running, or held for KV)
-        self.held: dict[str, Sequence] = {}  # requests whose blocks a KV transfer may touch
+        self.seqs: dict[str, Sequence] = {}  # live requests (waiting, running, awaiting their KV)
+        self.held: dict[str, Sequence] = {}  # status.held: a KV transfer may touch their blocks
         self.num_preemptions = 0
 
     # ---- rank 0: decide -------------------------------------------------------------------
@@ -61,45 +74,73 @@ class Scheduler:
         outcomes agreed this step."""
         plan = StepPlan(step=step, sampled=list(sampled), transfers=list(transfers),
                         shutdown=inbox.shutdown)
-        gone: set[str] = set()        # leave running/waiting this step
-        freed = 0                      # blocks that come back this step
-        arrived: list[SampledToken] = []
+        ends = _Ends({rid: seq.status for rid, seq in self.held.items()})
+        self._end_sampled(ends, sampled)
+        self._end_transfers(ends, transfers)
+        plan.aborted = self._end_aborted(ends, inbox.aborts)
+        free = self._admit(plan, inbox, self.allocator.num_free + ends.freed)
+        plan.batch, plan.preempted = self._schedule(ends.gone, sampled, ends.arrived, plan.admitted, free)
+        return plan
+
+    def _end_sampled(self, ends: _Ends, sampled: list[SampledToken]) -> None:
         for s in sampled:
             seq = self.seqs.get(s.request_id)
-            if seq is not None and seq.stop_reason(s.token_id, len(seq.output_ids) + 1):
-                gone.add(s.request_id)
-                freed += len(seq.block_table) if seq.kv != "prefill" else 0
+            reason = seq and seq.stop_reason(s.token_id, len(seq.output_ids) + 1)
+            if reason:
+                ends.gone.add(s.request_id)
+                ends.freed += len(seq.block_table) if ended(reason) is SequenceStatus.FINISHED else 0
+
+    def _end_transfers(self, ends: _Ends, transfers: list[TransferOutcome]) -> None:
+        """Held requests move as apply() will move them: by the same table (lifecycle.step)."""
         for t in transfers:
             seq = self.held.get(t.request_id)
-            if seq is None:
+            if seq is None or not ends.held[t.request_id].held:
                 continue
-            if t.kind == "arrived" and seq.finish_reason is None:
-                if seq.stop_reason(t.token.token_id, 1):
-                    freed += len(seq.block_table)
-                else:
-                    arrived.append(t.token)
-            elif t.kind in ("arrived", "written", "fenced"):
-                freed += len(seq.block_table)
-        for rid, reason in inbox.aborts:
-            seq = self.seqs.get(rid) or self._sending(rid)
-            if seq is None or rid in gone:
+            move = held_step(ends.held[t.request_id], HeldEvent.of(t.kind))
+            ends.held[t.request_id] = move.status
+            if move.status is SequenceStatus.RUNNING and not seq.stop_reason(t.token.token_id, 1):
+                ends.arrived.append(t.token)
+            elif move.status is SequenceStatus.RUNNING or move.frees_blocks:
+                ends.freed += len(seq.block_table)  # ran and ended on its first token, or released
+                ends.gone.add(t.request_id)
+
+    def _end_aborted(self, ends: _Ends,
+                     aborts: list[tuple[str, FinishReason]]) -> list[tuple[str, FinishReason]]:
+        """The aborts that end a request this step (others: unknown, or ended already)."""
+        out = []
+        for rid, reason in aborts:
+            status = ends.held.get(rid)
+            if rid in ends.gone:
                 continue
-            plan.aborted.append((rid, reason))
-            gone.add(rid)
-            if seq.status is not SequenceStatus.HELD:
-                freed += len(seq.block_table)  # held blocks wait for the transfer's fence
-            elif any(a.request_id == rid for a in arrived):
-                arrived = [a for a in arrived if a.request_id != rid]
+            if status is None:  # waiting or running (or unknown)
+                if rid not in self.seqs:
+                    continue
+                ends.freed += len(self.seqs[rid].block_table)
+            elif status is SequenceStatus.RUNNING:  # its KV landed this step: it ran, now it ends
+                ends.arrived = [a for a in ends.arrived if a.request_id != rid]
+                ends.freed += len(self.held[rid].block_table)
+            elif status.held:
+                move = held_step(status, HeldEvent.ABORT)
+                if move.finish is None:
+                    continue  # ended already: its hold waits for the fence
+                ends.held[rid] = move.status
+            else:
+                continue  # its hold ended this step: nothing left to abort
+            out.append((rid, reason))
+            ends.gone.add(rid)
+        return out
+
+    def _admit(self, plan: StepPlan, inbox: Inbox, free: int) -> int:
+        """Admit, reject or defer the new requests; the blocks still free for the batch."""
         seen = set(self.seqs)
         aborted_now = {rid for rid, _ in inbox.aborts}
-        free = self.allocator.num_free + freed
         for req in inbox.new:
             error = self._admission_error(req, seen)
             if error:
                 plan.rejected.append((req.request_id, error))
             elif req.request_id in aborted_now:
                 plan.rejected.append((req.request_id, "aborted before it started"))
-            elif req.kv == "decode":
+            elif req.kv is KVRole.DECODE:
                 need = self._blocks_for(len(req.prompt_ids))
                 if need > free:
                     plan.deferred.append(req)
@@ -109,8 +150,7 @@ class Scheduler:
             else:
                 plan.admitted.append(req)
             seen.add(req.request_id)
-        plan.batch, plan.preempted = self._schedule(gone, sampled, arrived, plan.admitted, free)
-        return plan
+        return free
 
     def _admission_error(self, req: NewRequest, seen: set[str]) -> str | None:
         if req.request_id in seen:
@@ -140,7 +180,8 @@ class Scheduler:
             running.append(_Slot(seq, seq.request_id, len(seq.prompt_ids), 1, len(seq.block_table)))
         waiting = [_Slot(seq, seq.request_id, 0, seq.num_tokens, 0)
                    for seq in self.waiting if seq.request_id not in gone]
-        waiting += [_Slot(None, r.request_id, 0, len(r.prompt_ids), 0) for r in admitted if r.kv != "decode"]
+        waiting += [_Slot(None, r.request_id, 0, len(r.prompt_ids), 0) for r in admitted
+                    if r.kv is not KVRole.DECODE]
 
         budget, batch, preempted = cfg.max_num_batched_tokens, [], []
         scheduled: set[str] = set()
@@ -187,21 +228,25 @@ class Scheduler:
             if seq is not None:  # else: aborted after the token was sampled
                 outputs.append(self._append(seq, s))
         for t in plan.transfers:
-            self._apply_transfer(t, outputs)
+            seq = self.held.get(t.request_id)
+            if seq is not None:  # else: the room is not ours (any more): a late or duplicate outcome
+                self._move_held(seq, HeldEvent.of(t.kind), outputs, token=t.token, error=t.error)
         for rid, reason in plan.aborted:
-            seq = self.seqs.get(rid) or self._sending(rid)
+            seq = self.held.get(rid)
             if seq is not None:
+                self._move_held(seq, HeldEvent.ABORT, outputs, reason=reason)
+            elif (seq := self.seqs.get(rid)) is not None:
                 outputs.append(StepOutput(rid, finish_reason=reason))
                 self._finish(seq, reason)
         for rid, error in plan.rejected:
-            outputs.append(StepOutput(rid, finish_reason="error", error=error))
+            outputs.append(StepOutput(rid, finish_reason=FinishReason.ERROR, error=error))
         for req in plan.admitted:
             seq = Sequence(req.request_id, list(req.prompt_ids), req.params, self.eos_token_ids,
                            max_len=self.config.max_model_len, arrival=req.arrival, kv=req.kv)
             self.seqs[seq.request_id] = seq
-            if req.kv == "decode":  # blocks now, the KV arrives later
+            if req.kv is KVRole.DECODE:  # blocks now, the KV arrives later
                 seq.block_table = self.allocator.allocate(self._blocks_for(len(seq.prompt_ids)))
-                seq.status = SequenceStatus.HELD
+                seq.status = SequenceStatus.AWAITING_KV
                 self.held[seq.request_id] = seq
                 outputs.append(StepOutput(seq.request_id, room_blocks=list(seq.block_table)))
             else:
@@ -237,55 +282,41 @@ class Scheduler:
             self._finish(seq, reason)
         return StepOutput(seq.request_id, s.token_id, s.logprobs, reason)
 
-    def _apply_transfer(self, t: TransferOutcome, outputs: list[StepOutput]) -> None:
-        seq = self.held.get(t.request_id)
-        if seq is None:  # the room is not ours (any more): a late or duplicate outcome
-            return
-        if t.kind == "arrived" and seq.finish_reason is None:
+    def _move_held(self, seq: Sequence, event: HeldEvent, outputs: list[StepOutput], *,
+                   token: SampledToken | None = None, error: str | None = None,
+                   reason: FinishReason = FinishReason.ABORT) -> None:
+        """Move a held request by the lifecycle table: its blocks, its queue, its report."""
+        move = held_step(seq.status, event)
+        seq.status = move.status
+        if move.status is SequenceStatus.RUNNING:  # the KV landed: the prompt is cached
             del self.held[seq.request_id]
             seq.num_computed = len(seq.prompt_ids)
-            seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            outputs.append(self._append(seq, t.token))
-        elif t.kind == "failed" and seq.finish_reason in (None, "prefilled"):
-            seq.finish_reason = "error"
+            outputs.append(self._append(seq, token))
+        elif move.status is SequenceStatus.FINISHED:
+            del self.held[seq.request_id]
+            self._release(seq)
+        if move.finish is not None:
+            seq.finish_reason = reason if event is HeldEvent.ABORT else move.finish
+            why = f"KV transfer failed: {error}" if event is HeldEvent.FAILED else None
+            outputs.append(StepOutput(seq.request_id, finish_reason=seq.finish_reason, error=why))
+        if move.status is not SequenceStatus.RUNNING:  # ended: only a hold may keep it
             self.seqs.pop(seq.request_id, None)
-            outputs.append(StepOutput(seq.request_id, finish_reason="error",
-                                      error=f"KV transfer failed: {t.error}"))
-        elif t.kind == "written" and seq.finish_reason == "prefilled":
-            self._drop_held(seq)
-            outputs.append(StepOutput(seq.request_id, finish_reason="prefilled"))
-        elif t.kind in ("arrived", "written", "fenced"):
-            # Nothing writes these blocks any more. An arrival for a room aborted meanwhile
-            # lands here: its rank reported the KV before it saw the abort, so no fence follows.
-            self._drop_held(seq)
 
-    def _sending(self, rid: str) -> Sequence | None:
-        """A prefilled request whose KV is being sent (abortable until the write ends)."""
-        seq = self.held.get(rid)
-        return seq if seq is not None and seq.finish_reason == "prefilled" else None
-
-    def _drop_held(self, seq: Sequence) -> None:
-        del self.held[seq.request_id]
-        self.seqs.pop(seq.request_id, None)
-        self._release(seq)
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        """End a request. Blocks return now, unless a transfer may still touch them (held)."""
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a running or waiting request. Its blocks return now, unless its KV is still to be
+        sent (lifecycle.ended)."""
         seq.finish_reason = reason
         self.seqs.pop(seq.request_id, None)
-        if seq.status is SequenceStatus.HELD or reason == "prefilled":
-            if seq in self.running:
-                self.running.remove(seq)
-            seq.status = SequenceStatus.HELD
-            self.held[seq.request_id] = seq
-            return
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        seq.status = SequenceStatus.FINISHED
-        self._release(seq)
+        seq.status = ended(reason)
+        if seq.status.held:
+            self.held[seq.request_id] = seq
+        else:
+            self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
         self.allocator.free(seq.block_table)

@@ -1,6 +1,6 @@
 """The NIXL/UCX transport: one agent, its registered pool, its peers, its transfer handles.
 
-The only module that imports nixl. Rules it enforces (see specs/kv-transfer.md):
+The only module that imports nixl. Rules it enforces (docs/kv-transfer.md):
 * progress thread off: the owner polls; the agent is used by one thread only (`ThreadGuard`);
 * a transfer handle is used only by the thread that made it and released exactly once; a
   released handle is never passed to NIXL again (`XferHandle`), since use after release can

@@ -126,7 +126,8 @@ class NixlSource(TransferSource):
 
     def poll(self) -> list[SourceEvent]:
         for room, handle in list(self._inflight.items()):
-            self._advance(room, handle, post=False)
+            if self._inflight.get(room) is handle:  # else drained meanwhile (its peer died)
+                self._advance(room, handle, post=False)
         for peer, raw in receive_messages(self._ep, self.counters, self.name):
             self._on_notif(peer, raw)
         for room in self.rooms.tick():

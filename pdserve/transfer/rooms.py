@@ -123,6 +123,12 @@ class Release(NamedTuple):
 class RoomTable:
     """Rooms and their tombstones, on one side of one transfer agent.
 
+    Its tombstones are the transfer's own memory of ended rooms, one table per agent (per rank
+    and side): they refuse a late `expect`/`write` and drop a peer's late message for a room,
+    where no scheduler state exists (the peer's messages reach each rank's agent directly).
+    The engine's memory of aborted requests and rank 0's settled rooms (lockstep) cannot stand
+    in for it, nor it for them: they key requests and cross-rank decisions, not one agent's.
+
     Single-threaded: owned by the thread that polls the agent. The clock is injected.
     `fence_lease_s`: an ended room that was not fenced by then is fenced by lease.
     `room_lease_s`: a live room older than this fails (None: rooms never time out here).
@@ -203,8 +209,9 @@ class RoomTable:
         for rec in list(self._rooms.values()):
             if rec.peer != peer:
                 continue
-            if not rec.state.terminal:
+            if not rec.state.terminal:  # its transfer was under way when the peer died
                 self.apply(rec.id, RoomEvent.FAIL, reason=reason)
+                self.counters["peer_dead_failed_rooms"] += 1
                 failed.append(rec.id)
             if not rec.fenced:
                 self.fence(rec.id, f"peer dead: {reason}")

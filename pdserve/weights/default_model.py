@@ -76,7 +76,17 @@ def ensure_converted(gguf_path: Path) -> Path:
         logger.info("another process converted %s first; using its copy", gguf_path)
     if not (out / "config.json").exists():
         raise RuntimeError(f"{out} exists but is not a complete model directory; delete it")
+    remove_older_conversions(out)
     return out
+
+
+def remove_older_conversions(out: Path) -> None:
+    """Delete conversions of the same GGUF by older converter versions (each ~600 MB)."""
+    stem, _, _ = out.name.rpartition("-v")
+    for old in out.parent.glob(f"{stem}-v*"):
+        if old != out and old.is_dir() and old.name[len(stem) + 2:].isdigit():
+            logger.info("removing %s (an older converter version's copy of %s)", old, out.name)
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def remove_stale_temp_dirs(out: Path, max_age_s: float = STALE_TEMP_SECONDS) -> None:

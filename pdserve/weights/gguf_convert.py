@@ -3,6 +3,12 @@
 The default model ships only as a quantized GGUF. Everything else in pdserve (and the
 ``transformers`` reference in the tests) reads Hugging Face directories, so we dequantize once
 to fp32 safetensors and rebuild config, tokenizer and chat template from the GGUF metadata.
+
+Beside the fp32 weights, ``gguf/`` keeps the GGUF's own blocks (Q4_0, Q4_1, Q8_0 tensors, as
+uint8 rows of blocks under their Hugging Face names, q/k rows un-permuted like the fp32 ones)
+with ``gguf/quant.json`` naming each tensor's format; pdserve runs them quantized
+(``--quantization gguf``, see pdserve.weights.quantization). Other tensor types are stored there
+dequantized to fp32 and run unquantized.
 """
 from __future__ import annotations
 
@@ -27,7 +33,11 @@ from pdserve.weights.safetensors_io import save_safetensors_dir
 logger = logging.getLogger(__name__)
 
 # Bumped whenever the output format changes, so cached conversions are redone.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: the gguf/ folder of raw blocks
+BLOCKS_DIR = "gguf"
+BLOCKS_CONFIG = "quant.json"
+# GGUF types kept as blocks (pdserve_kernels.quant); anything else is dequantized to fp32
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0")
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -160,16 +170,23 @@ def gguf_vocab(meta: dict[str, Any]) -> GGUFVocab:
     )
 
 
-def iter_hf_tensors(reader: GGUFReader, config: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantized fp32 tensors under their Hugging Face names, q/k rows un-permuted."""
+def iter_hf_tensors(reader: GGUFReader, config: dict[str, Any], blocks: bool = False
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensors under their Hugging Face names, q/k rows un-permuted: dequantized fp32, or with
+    `blocks` the Q4_0/Q4_1/Q8_0 tensors as uint8 rows of blocks [out, in/32 * block bytes]."""
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name is None:
             logger.warning("skipping GGUF tensor %s (not stored by Hugging Face Llama)", tensor.name)
             continue
-        # np.array copies: F32 tensors are read-only views of the memory-mapped file.
-        array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
-        array = array.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        if blocks and tensor.tensor_type.name in KEPT_TYPES:
+            # rows of raw blocks: the un-permutation below moves whole rows, so it applies as is
+            array = np.array(tensor.data, dtype=np.uint8).reshape(shape[0], -1)
+        else:
+            # np.array copies: F32 tensors are read-only views of the memory-mapped file.
+            array = np.array(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+            array = array.reshape(shape)
         if name.endswith("self_attn.q_proj.weight") or name.endswith("self_attn.q_proj.bias"):
             array = unpermute_rows(array, config["num_attention_heads"])
         elif name.endswith("self_attn.k_proj.weight") or name.endswith("self_attn.k_proj.bias"):
@@ -216,6 +233,8 @@ def _write_model_dir(gguf_path: Path, out: Path) -> None:
     config = hf_config(meta, tied=not has_output)
     tensors = dict(iter_hf_tensors(reader, config))
     save_safetensors_dir(tensors, out, metadata={"source": gguf_path.name})
+    del tensors
+    _write_blocks_dir(reader, config, out / BLOCKS_DIR, gguf_path.name)
     vocab = gguf_vocab(meta)
     build_tokenizer(vocab).save(str(out / "tokenizer.json"))
     tok_config = tokenizer_config(vocab, model_max_length=config["max_position_embeddings"])
@@ -224,11 +243,22 @@ def _write_model_dir(gguf_path: Path, out: Path) -> None:
     _write_json(out / "config.json", config)  # written last: its presence marks completeness
 
 
+def _write_blocks_dir(reader: GGUFReader, config: dict[str, Any], out: Path, source: str) -> None:
+    """gguf/: the GGUF's blocks under Hugging Face names, and quant.json naming their formats."""
+    formats = {t.name: t.tensor_type.name for t in reader.tensors}
+    names = {hf_tensor_name(n): f for n, f in formats.items() if n not in _SKIPPED}
+    save_safetensors_dir(dict(iter_hf_tensors(reader, config, blocks=True)), out,
+                         metadata={"source": source})
+    kept = {name: fmt for name, fmt in sorted(names.items()) if fmt in KEPT_TYPES}
+    _write_json(out / BLOCKS_CONFIG, {"format": "gguf-blocks", "source": source, "tensors": kept})
+
+
 def _make_readable(model_dir: Path) -> None:
     """mkdtemp makes a private (0700) directory; a model directory is world-readable."""
-    os.chmod(model_dir, 0o755)
-    for path in model_dir.iterdir():
-        os.chmod(path, 0o644)
+    for folder, dirs, files in os.walk(model_dir):
+        os.chmod(folder, 0o755)
+        for name in files:
+            os.chmod(os.path.join(folder, name), 0o644)
 
 
 def _move_into_place(tmp: Path, out: Path, overwrite: bool) -> None:

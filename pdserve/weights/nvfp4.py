@@ -13,7 +13,7 @@ A ModelOpt checkpoint says it is quantized in one or both of two places:
 Each quantized linear stores `weight` (uint8 [out, in/2], two E2M1 codes a byte, even element in
 the low nibble), `weight_scale` (float8_e4m3fn [out, in/16], row-major), `weight_scale_2` (fp32
 scalar) and, for NVFP4 (not the weight-only W4A16_NVFP4), `input_scale` (fp32 scalar).
-Facts: shared/specs/nvfp4.md.
+Facts: docs/nvfp4.md.
 """
 from __future__ import annotations
 
@@ -25,10 +25,17 @@ from pathlib import Path
 
 import torch
 
-from pdserve_kernels.nvfp4 import BLOCK, QuantizedWeight, e2m1_encode, pack_nibbles, to_e4m3
+from pdserve.layers.quant import QuantConfigError
+from pdserve.layers.quant.nvfp4 import NVFP4LinearMethod, unify_fused_scales
+from pdserve_kernels.nvfp4 import BLOCK, QuantizedWeight, e2m1_encode, pack_nibbles
 from pdserve_kernels.nvfp4.scales import FP4_E4M3_RANGE, weight_block_scales
 
 logger = logging.getLogger(__name__)
+
+# QuantConfigError and unify_fused_scales live in pdserve.layers.quant (layers never import
+# weights); they are re-exported here for the checkpoint code and its tests.
+__all__ = ["NVFP4Config", "QuantConfigError", "detect", "quantize_with_scale_2", "unify_fused_scales",
+           "weight_scale_2_from_amax"]
 
 HF_QUANT_CONFIG = "hf_quant_config.json"
 # quant_algo -> whether activations are quantized too (then every layer has an input_scale)
@@ -37,10 +44,6 @@ MODES = ("auto", "w4a16", "w4a4")
 # Tensors of a quantized KV cache (kv_cache_quant_algo); pdserve keeps the KV cache in the
 # model's dtype, so they are read past.
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
-
-
-class QuantConfigError(ValueError):
-    """The checkpoint's quantization config, or a tensor of it, is unsupported or inconsistent."""
 
 
 @dataclass(frozen=True)
@@ -76,8 +79,6 @@ class NVFP4Config:
 
         pdserve fuses q/k/v and gate/up into one matmul, so their parts must agree.
         """
-        from pdserve.layers.quant.nvfp4 import NVFP4LinearMethod
-
         excluded = [self.excluding_pattern(n) for n in names]
         if all(p is not None for p in excluded):
             return None
@@ -189,32 +190,6 @@ def _patterns(value: object, where: str) -> tuple[str, ...]:
 
 def _kv_algo(algo: object) -> str | None:
     return str(algo) if algo else None
-
-
-# ---- fused projections ------------------------------------------------------------------
-
-def unify_fused_scales(weight_scale: torch.Tensor, rows: list[tuple[int, int]],
-                       scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One weight_scale_2 for a fused matrix whose parts (row ranges) came with their own.
-
-    The fused matmul has one tensor scale, so it takes the largest part's, `S = max(s_i)`, as
-    vLLM does. A part quantized with `s_i < S` keeps its E2M1 codes and gets block scales
-    `e4m3(weight_scale * s_i / S)`: its dequantized values `code * weight_scale * s_i` are kept
-    up to one E4M3 rounding of each block scale (relative 2^-4 at most, the same step ModelOpt
-    takes when it quantizes with the shared scale; blocks whose scale falls below E4M3's
-    smallest subnormal round to zero, values under `amax * 2^-10 / 448`). Re-encoding the codes
-    from the dequantized values instead would round every element a second time on the coarse
-    E2M1 grid, for no gain. Using the largest scale means no block scale grows, so none
-    saturates at 448. ModelOpt's exports share one scale per fused group already (it takes the
-    max amax before quantizing), and then this is the identity.
-    """
-    target = scale_2.max()
-    out = weight_scale.clone()
-    for (start, count), s in zip(rows, scale_2, strict=True):
-        if s != target:
-            part = weight_scale[start:start + count].to(torch.float32) * (s / target)
-            out[start:start + count] = to_e4m3(part)
-    return out, target
 
 
 # ---- producing checkpoints --------------------------------------------------------------

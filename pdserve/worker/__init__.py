@@ -1,1 +1,4 @@
-"""Worker processes: the scheduler loop thread and the internal HTTP API (see worker_api.md)."""
+"""Worker processes: the scheduler loop thread and the internal HTTP API.
+
+The API is described in pdserve/worker/API.md; its messages are the types of pdserve.worker_api.
+"""

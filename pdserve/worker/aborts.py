@@ -10,6 +10,9 @@ stream, usually *before* its /abort arrives. A closed stream therefore aborts th
 once (its blocks must come back) but leaves the count pending for `grace_s`: the /abort that
 follows names the origin; a stream closed with no /abort (the router died, or a client other
 than the router went away) counts as "client" when the grace period ends.
+
+This is metrics bookkeeping, not a memory of aborted ids: it never refuses or ends a request
+(the engine's `RecentIds` and the rooms' tombstones do), and it forgets a request once counted.
 """
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ import uvicorn
 from pdserve.logs import about, setup_logging
 from pdserve.model_name import served_name
 
+from .faults import FaultPlan
 from .server import build_app
 from .worker import Worker, WorkerSettings
 
@@ -120,7 +121,8 @@ def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
         if server is not None:
             server.should_exit = True
 
-    worker = Worker(engine_config, settings, on_fatal=fatal, model_name=model_name)
+    # a test's faults (PDSERVE_TEST_FAULTS); None in production
+    worker = Worker(engine_config, settings, on_fatal=fatal, model_name=model_name, faults=FaultPlan.from_env())
     worker.start()
     app = build_app(worker, model_name)
     server = DrainingServer(worker, uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",

@@ -14,7 +14,6 @@ import signal
 import socket
 import sys
 from collections.abc import Callable
-from dataclasses import replace
 
 from pdserve.logs import setup_logging
 
@@ -37,45 +36,6 @@ def spawn_ranks(ranks: range, engine_config, settings) -> list[mp.Process]:
     return procs
 
 
-def make_agent(role: str, worker_id: str, rank: int, engine):
-    """This rank's transfer agent over its KV pool shard (None for colocated workers)."""
-    if role == "both":
-        return None
-    from pdserve.transfer import agent_name
-    from pdserve.transfer.nixl_source import NixlSource
-    from pdserve.transfer.nixl_target import NixlTarget
-
-    cls = NixlTarget if role == "decode" else NixlSource
-    agent = cls(agent_name(role, worker_id, rank), engine.pool.tensors())
-    engine.attach_transfer(agent, rank)
-    return agent
-
-
-def group_worker_id(comm, worker_id: str) -> str:
-    """Rank 0's worker id, on every rank. The transfer agents of all ranks are named after it
-    (peers derive rank i's agent name from the worker id they know), and pods of a multi-node
-    group each have their own --worker-id."""
-    import torch.distributed as dist
-
-    if comm.size == 1:
-        return worker_id
-    box = [worker_id if comm.rank == 0 else None]
-    dist.broadcast_object_list(box, src=0, group=comm.group)
-    return str(box[0])
-
-
-def share_bootstrap(comm, agent) -> list[str] | None:
-    """Rank 0 gets every rank's transfer bootstrap (decode workers publish them)."""
-    import torch.distributed as dist
-
-    mine = agent.bootstrap_info().decode() if agent is not None and hasattr(agent, "bootstrap_info") else None
-    if comm.size == 1:
-        return [mine]
-    out = [None] * comm.size if comm.rank == 0 else None
-    dist.gather_object(mine, out, dst=0, group=comm.group)
-    return out
-
-
 def rank_main(rank: int, engine_config, settings) -> None:
     """A child process: one TP rank of this node."""
     if sys.platform.startswith("linux"):
@@ -91,30 +51,31 @@ def rank_main(rank: int, engine_config, settings) -> None:
 
 def run_rank(rank: int, engine_config, settings, on_step: Callable[[], None] = lambda: None) -> int:
     """Join the group, load this rank's shard, then follow rank 0's plans until one says shut
-    down (0) or a collective fails (1). `on_step` runs after every step (the follower's health)."""
-    from pdserve.distributed.groups import init_tp
-    from pdserve.engine.llm_engine import LLMEngine
+    down (0) or a collective fails or a plan carries an error (1). `on_step` runs after every
+    step (the follower's health)."""
+    from .faults import FaultPlan
+    from .runtime import RankRuntime
 
-    from .hooks import TestHooks
-
-    engine_config = replace(engine_config, device=settings.layout.device(engine_config.device, rank))
-    host, port = settings.rendezvous
-    tp, comm = init_tp(rank, settings.tp, port, engine_config.device, settings.collective_timeout,
-                       host=host, init_timeout_s=settings.dist_init_timeout)
-    kv = {"both": "local", "prefill": "prefill", "decode": "decode"}[settings.role]
-    engine = LLMEngine(engine_config, kv, tp, comm, digest_every=settings.check_divergence)
-    agent = make_agent(settings.role, group_worker_id(comm, settings.worker_id), rank, engine)
-    TestHooks.from_env(rank).install(engine)
-    share_bootstrap(comm, agent)
+    runtime = RankRuntime(rank, engine_config, settings, FaultPlan.from_env())
+    runtime.connect()
     try:
-        while True:
-            plan, _ = engine.step()
-            on_step()
-            if plan.shutdown:
-                return 0
-    except Exception as e:  # a peer died mid-collective: exit, never wait
+        runtime.run(_Follow(on_step))
+        return 0
+    except Exception as e:  # a peer died mid-collective, or the ranks diverged: exit, never wait
         logger.error("rank %d stops: %s", rank, e)
         return 1
     finally:
-        if agent is not None:
-            agent.close()
+        runtime.close()
+
+
+class _Follow:
+    """A rank other than 0 asks for nothing: it runs what rank 0's plans say."""
+
+    def __init__(self, on_step: Callable[[], None]):
+        self.on_step = on_step
+
+    def before_step(self) -> bool:
+        return False
+
+    def after_step(self, plan, outputs) -> None:
+        self.on_step()

@@ -1,4 +1,4 @@
-"""A worker: the engine's loop on its own thread, bridged to the asyncio HTTP server.
+"""A worker: rank 0's runtime (runtime.py) on its own thread, bridged to the asyncio HTTP server.
 
 The loop thread is the only thread that touches the engine and the transfer agent. HTTP
 handlers talk to it through the engine's thread-safe inbox, and get their outputs back through
@@ -13,18 +13,18 @@ import threading
 import time
 from dataclasses import dataclass, replace
 
-from pdserve.engine.config import EngineConfig
-from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.distributed.groups import init_tp
 from pdserve.distributed.layout import LOOPBACK, TPLayout, parse_addr
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import FinishReason, KVRole
 from pdserve.logs import about
 from pdserve.metrics import WorkerMetrics
-from pdserve.scheduler.plan import StepOutput
+from pdserve.scheduler.plan import KVPeer, StepOutput, StepPlan
 
-from .aborts import AbortLedger
-from .hooks import TestHooks
-from .ranks import free_port, group_worker_id, make_agent, share_bootstrap, spawn_ranks
+from .accounting import Accounting
+from .faults import FaultPlan, Wedge
+from .ranks import free_port, spawn_ranks
+from .runtime import RankRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +48,7 @@ class WorkerSettings:
     rank_log_level: str = "WARNING"     # child ranks repeat rank 0's INFO lines: they log less
 
     def __post_init__(self) -> None:
-        if self.role not in ("prefill", "decode", "both"):
-            raise ValueError(f"unknown worker role {self.role!r}")
+        KVRole.of_worker(self.role)  # ValueError for an unknown role
         TPLayout(self.tp, self.nnodes, self.node_rank)  # ValueError when they do not fit together
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT (where node 0 "
@@ -76,40 +75,28 @@ class WorkerSettings:
         return self if self.dist_init_addr else replace(self, dist_init_addr=f"{LOOPBACK}:{free_port()}")
 
 
-@dataclass
-class _RequestStats:
-    arrival: float
-    prompt_tokens: int
-    generated: int = 0
-    write_at: float | None = None  # prefill: when its KV write started
-
-
 class Worker:
-    """Owns the engine, its loop thread and the map from request ids to their output queues."""
+    """Rank 0 of a worker: its rank runtime on the loop thread, and the map from request ids to
+    their output queues. Metrics and abort counting are `Accounting`'s; faults a test's plan's."""
 
     def __init__(self, engine_config: EngineConfig, settings: WorkerSettings, on_fatal=None,
-                 model_name: str = "default"):
+                 model_name: str = "default", faults: FaultPlan | None = None):
         if not settings.layout.leader:
             raise ValueError("a worker runs on node 0; other nodes run follower.run_follower")
-        self.settings = settings
-        self.metrics = WorkerMetrics(settings.role, model_name)
-        self.aborts = AbortLedger(self.metrics.aborted)
-        self._stats: dict[str, _RequestStats] = {}
-        self._agent_counts: dict[str, int] = {}
         self.on_fatal = on_fatal or (lambda: None)
-        kv = {"both": "local", "prefill": "prefill", "decode": "decode"}[settings.role]
-        tp = comm = None
+        self.faults = faults
+        self._wedge = Wedge() if faults is not None and faults.debug_routes else None
         self.ranks = []
         if settings.tp > 1:  # this process is rank 0; this node's other ranks are its children
-            self.settings = settings = settings.with_rendezvous()
-            engine_config = replace(engine_config, device=settings.layout.device(engine_config.device, 0))
+            settings = settings.with_rendezvous()
             self.ranks = spawn_ranks(settings.layout.children, engine_config, settings)
-            host, port = settings.rendezvous
-            tp, comm = init_tp(0, settings.tp, port, engine_config.device, settings.collective_timeout,
-                               host=host, init_timeout_s=settings.dist_init_timeout)
-        self.engine = LLMEngine(engine_config, kv, tp, comm, digest_every=settings.check_divergence)
-        self.agent = None  # made on the loop thread: a NIXL agent is used by one thread only
-        self.bootstrap: list[str] | None = None
+        self.settings = settings
+        self.runtime = RankRuntime(0, engine_config, settings, faults)
+        self.engine = self.runtime.engine
+        pool = self.engine.pool
+        self.accounting = Accounting(settings.role, model_name,
+                                     pool.bytes_per_block(pool.layer_specs, pool.block_size) * settings.tp,
+                                     pool.block_size)
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -118,10 +105,16 @@ class Worker:
         self.step_count = 0
         self.draining = False
         self.error: str | None = None
-        self.transfer_metrics: dict[str, int] = {}  # snapshot taken on the loop thread
         self._snapshot_at = 0.0
-        self._wedge_for = 0.0
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
+
+    @property
+    def metrics(self) -> WorkerMetrics:
+        return self.accounting.metrics
+
+    @property
+    def bootstrap(self) -> list[str] | None:
+        return self.runtime.bootstrap
 
     # ---- the loop thread -----------------------------------------------------------------
 
@@ -135,104 +128,52 @@ class Worker:
 
     def _run(self) -> None:
         try:
-            worker_id = group_worker_id(self.engine.comm, self.settings.worker_id)
-            self.agent = make_agent(self.settings.role, worker_id, 0, self.engine)
-            self.bootstrap = share_bootstrap(self.engine.comm, self.agent)
-            TestHooks.from_env(0).install(self.engine)
+            self.runtime.connect()  # on this thread: the agent's one thread
         except Exception as e:  # noqa: BLE001 - reported to start()
             self.error = f"cannot start the transfer agent: {e}"
             self._ready.set()
             return
         self._ready.set()
         try:
-            self._loop()
+            self.runtime.run(self)
         except Exception as e:  # a failed step or a dead rank: fail every request, stop the worker
             logger.exception("the scheduler loop failed; the worker stops")
             self.error = f"the scheduler loop failed: {e}"
             self._fail_all(self.error)
             self.on_fatal()
         finally:
-            if self.agent is not None:
-                self.agent.close()
+            self.runtime.close()
 
-    def _loop(self) -> None:
-        while True:
-            dead = [p.name for p in self.ranks if not p.is_alive()]
-            if dead:
-                raise RuntimeError(f"TP rank process {dead[0]} died")
-            stopping = self._stop.is_set()
-            if self._wedge_for:
-                time.sleep(self._wedge_for)
-                self._wedge_for = 0.0
-            plan, outputs = self.engine.step(shutdown=stopping)
-            if plan.error:
-                raise RuntimeError(plan.error)
-            if stopping:
-                return
-            now = time.monotonic()
-            if now - self._snapshot_at > 0.1:
-                self._snapshot(now)
-            self.last_step = now
-            self.step_count += 1
-            self.metrics.scheduler_step(self.engine.loop.step_s, self.engine.loop.agree_s)
-            self.aborts.sweep()
-            if outputs:
-                self._count(outputs, now)
-                self._dispatch(outputs)
-            if not self.engine.has_work():
-                self._wake.wait(IDLE_WAIT_S)
-                self._wake.clear()
+    def before_step(self) -> bool:
+        """StepHooks: a dead rank stops the loop; True once stop() was called."""
+        dead = [p.name for p in self.ranks if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"TP rank process {dead[0]} died")
+        if self._wedge is not None:
+            self._wedge.stall()
+        return self._stop.is_set()
+
+    def after_step(self, plan: StepPlan, outputs: list[StepOutput]) -> None:
+        """StepHooks: count, hand the outputs to their requests, nap when idle."""
+        now = time.monotonic()
+        if now - self._snapshot_at > 0.1:
+            self._snapshot(now)
+        self.last_step = now
+        self.step_count += 1
+        loop = self.engine.loop
+        self.accounting.step(loop.step_s, loop.agree_s)
+        if outputs:
+            self.accounting.outputs(outputs, now)
+            self._dispatch(outputs)
+        if not self.engine.has_work():
+            self._wake.wait(IDLE_WAIT_S)
+            self._wake.clear()
 
     def _snapshot(self, now: float) -> None:
-        """Refresh gauges, and turn the agent's cumulative counters into metric increments."""
         self._snapshot_at = now
-        a = self.engine.allocator
-        s = self.engine.scheduler
-        self.metrics.set_load(running=len(s.running), waiting=len(s.waiting) + len(s.held),
-                              used_blocks=a.num_used, total_blocks=a.num_blocks)
-        if self.agent is None:
-            return
-        self.transfer_metrics = counts = self.agent.metrics()
-        counts = dict(counts, late=sum(v for k, v in counts.items() if k.startswith(("late_", "unknown_"))))
-        for state in ("done", "failed", "aborted"):
-            for _ in range(self._delta(counts, f"rooms_{state}")):
-                self.metrics.room_ended(state)
-        self.metrics.late_messages_dropped.inc(self._delta(counts, "late"))
-
-    def _delta(self, counts: dict[str, int], key: str) -> int:
-        """How much a cumulative agent counter grew since the last snapshot."""
-        n = counts.get(key, 0) - self._agent_counts.get(key, 0)
-        self._agent_counts[key] = counts.get(key, 0)
-        return max(n, 0)
-
-    def _count(self, outputs: list[StepOutput], now: float) -> None:
-        pool = self.engine.pool
-        bytes_per_block = pool.bytes_per_block(pool.layer_specs, pool.block_size)
-        for out in outputs:
-            st = self._stats.get(out.request_id)
-            if st is None:
-                continue
-            if out.token_id is not None:
-                st.generated += 1
-                if out.finish_reason == "prefilled":  # prefill: the KV write starts now
-                    st.write_at = now
-            elif out.finish_reason == "prefilled" and st.write_at is not None:  # written
-                blocks = -(-st.prompt_tokens // self.engine.pool.block_size)
-                self.metrics.kv_transferred(now - st.write_at, blocks * bytes_per_block * self.settings.tp)
-            if out.finish_reason and (out.token_id is None or out.finish_reason != "prefilled"):
-                with self._lock:
-                    del self._stats[out.request_id]
-                self.aborts.finished(out.request_id)
-                if out.finish_reason == "error":
-                    logger.warning("request %s failed: %s", out.request_id, out.error,
-                                   extra=about(out.request_id))
-                else:
-                    logger.debug("request %s finished (%s) after %d tokens", out.request_id,
-                                 out.finish_reason, st.generated, extra=about(out.request_id))
-                reason = "abort" if out.finish_reason == "abort" else out.finish_reason
-                self.metrics.request_finished("length" if reason == "prefilled" else reason,
-                                              prompt_tokens=st.prompt_tokens, generation_tokens=st.generated,
-                                              decode_s=now - st.arrival)
+        self.accounting.load(self.engine.scheduler)
+        if self.runtime.agent is not None:
+            self.accounting.agent(self.runtime.agent.metrics())
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         with self._lock:
@@ -243,7 +184,8 @@ class Worker:
                     loop.call_soon_threadsafe(q.put_nowait, out)
 
     def _fail_all(self, error: str) -> None:
-        self._dispatch([StepOutput(rid, finish_reason="error", error=error) for rid in list(self._queues)])
+        self._dispatch([StepOutput(rid, finish_reason=FinishReason.ERROR, error=error)
+                        for rid in list(self._queues)])
 
     def stop(self) -> None:
         self._stop.set()
@@ -257,15 +199,18 @@ class Worker:
     # ---- called from asyncio handlers ----------------------------------------------------
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-               peer: dict | None = None) -> asyncio.Queue:
-        """Queue a request; its outputs arrive on the returned queue (the last has finish_reason)."""
+               peer: KVPeer | dict | None = None) -> asyncio.Queue:
+        """Queue a request; its outputs arrive on the returned queue (the last has finish_reason).
+        `peer`: a `KVPeer`, or the dict the API builds ({"worker_id"} or {"bootstrap", "blocks"})."""
+        if isinstance(peer, dict):
+            peer = KVPeer(peer.get("worker_id", ""), tuple(peer.get("bootstrap", ())),
+                          tuple(peer.get("blocks", ())))
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = (asyncio.get_running_loop(), q)
-            self._stats[request_id] = _RequestStats(time.monotonic(), len(prompt_ids))
-        self.aborts.started(request_id)
+        self.accounting.started(request_id, len(prompt_ids))
         logger.debug("request %s: %d prompt tokens", request_id, len(prompt_ids), extra=about(request_id))
         self.engine.add_request(request_id, prompt_ids, params, peer)
         self._wake.set()
@@ -279,20 +224,20 @@ class Worker:
     def abort(self, request_id: str, reason: str = "abort", origin: str = "router") -> bool:
         """Abort a request for `origin` (idempotent). True when it was running here and this
         call counted its abort (aborts.py)."""
-        counted = self.aborts.told(request_id, origin)
+        counted = self.accounting.aborts.told(request_id, origin)
         if counted:
             logger.info("request %s: aborted (origin: %s)", request_id, origin, extra=about(request_id))
-        self.engine.abort(request_id, reason)
+        self.engine.abort(request_id, FinishReason(reason))
         self._wake.set()
         return counted
 
     def reader_left(self, request_id: str) -> None:
         """The request's HTTP stream closed before its finish: abort it now; who asked is
         counted when the router's /abort says (aborts.py)."""
-        if self.aborts.reader_left(request_id):
+        if self.accounting.aborts.reader_left(request_id):
             logger.info("request %s: its stream closed before the finish; aborting", request_id,
                         extra=about(request_id))
-        self.engine.abort(request_id, "abort")
+        self.engine.abort(request_id, FinishReason.ABORT)
         self._wake.set()
 
     def in_flight(self) -> int:
@@ -303,8 +248,10 @@ class Worker:
             return list(self._queues)
 
     def wedge(self, seconds: float) -> None:
-        """Test hook: the loop stalls for `seconds` inside a step (as a stuck forward would)."""
-        self._wedge_for = seconds
+        """Test fault (the plan's debug_routes): the loop stalls for `seconds` inside a step."""
+        if self._wedge is None:
+            raise RuntimeError("no fault plan with debug_routes: this worker cannot be wedged")
+        self._wedge.arm(seconds)
 
     def seconds_since_step(self) -> float:
         return time.monotonic() - self.last_step
@@ -317,4 +264,5 @@ class Worker:
         s = self.engine.scheduler
         return {"waiting": len(s.waiting), "running": len(s.running), "transferring": len(s.held),
                 "free_blocks": s.allocator.num_free, "total_blocks": s.allocator.num_blocks,
-                "in_flight": len(self._queues), "rooms_live": self.transfer_metrics.get("rooms_live", 0)}
+                "in_flight": len(self._queues),
+                "rooms_live": self.accounting.transfer.get("rooms_live", 0)}

@@ -1,4 +1,4 @@
-"""DeepSeek-V3.2 prompt encoder: the reference format (specs/dsml.md §1.1), and round trips
+"""DeepSeek-V3.2 prompt encoder: the reference format (docs/dsml.md, "DeepSeek-V3.2"), and round trips
 through the real V3.2 tokenizer and the DSML parser."""
 from __future__ import annotations
 

@@ -140,7 +140,10 @@ def test_a_prefill_worker_killed_mid_prefill_fails_the_request_within_2s(cluster
     body = {**LONG, "messages": [{"role": "user", "content": " hello" * 3000}], "max_tokens": 4}
 
     def kill_during_prefill() -> None:
-        time.sleep(0.5)  # the room is allocated and the prefill of ~3000 tokens under way
+        deadline = time.monotonic() + 30
+        while httpx.get(prefill.url + "/load", timeout=5).json()["running"] == 0:  # until its prefill runs
+            assert time.monotonic() < deadline, "the prefill never started"
+            time.sleep(0.02)
         os.killpg(prefill.proc.pid, signal.SIGKILL)
 
     elapsed, error = stream_until_error(router.url, 1, kill_during_prefill, body)  # 1: the role chunk

@@ -29,11 +29,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdserve import worker_api as api
 from pdserve.frontend.app import create_app
 from pdserve.frontend.cli import api_key
 from pdserve.frontend.discovery import Discovery, parse_target
-from pdserve.frontend.workers import Role, WorkerPool
+from pdserve.frontend.workers import WorkerPool
 from pdserve.logs import JSONFormatter, RequestIdFilter
+from pdserve.worker_api import Role
 
 from tests.frontend.conftest import free_port, router_config
 from tests.frontend.router_cases import CHAT, chat
@@ -51,6 +53,7 @@ class FakeWorker:
         self.token_s = token_s
         self.status = "ok"              # /health's status: 200 when "ok", else 503
         self.aborts: list[dict] = []    # /abort bodies, in order
+        self.prefill_error: api.ErrorCode | None = None  # /prefill fails with this code
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self._app(), host="127.0.0.1", port=self.port,
@@ -63,39 +66,50 @@ class FakeWorker:
 
         @app.get("/health")
         async def health():
-            return JSONResponse({"status": self.status}, status_code=200 if self.status == "ok" else 503)
+            body = api.Health(status=self.status, role=self.role, step=0, seconds_since_step=0.0)
+            return JSONResponse(body.wire(), status_code=200 if self.status == "ok" else 503)
 
         @app.get("/info")
         async def info():
-            return {"role": self.role, "worker_id": f"fake-{self.role}-{self.port}", "max_model_len": 2048}
+            return api.Info(role=self.role, worker_id=f"fake-{self.role}-{self.port}", model="fake",
+                            max_model_len=2048, block_size=16, num_blocks=64, tp=1, eos_token_ids=[]).wire()
 
         @app.get("/load")
         async def load():
-            return {"waiting": 0, "running": 0, "transferring": 0, "free_blocks": 64, "total_blocks": 64}
+            return api.Load(free_blocks=64, total_blocks=64).wire()
 
         @app.post("/abort")
         async def abort(request: Request):
-            body = await request.json()
-            self.aborts.append(body)
-            aborted.add(body["request_id"])
-            return {"ok": True}
+            body = api.AbortRequest.model_validate(await request.json())
+            self.aborts.append(body.wire())
+            aborted.add(body.request_id)
+            return api.AbortResult(aborted=True).wire()
+
+        @app.post("/prefill")
+        async def prefill(request: Request):
+            api.PrefillRequest.model_validate(await request.json())
+            if self.prefill_error is not None:
+                error = api.ErrorBody.of(self.prefill_error, "the KV transfer failed")
+                return JSONResponse(error.wire(), status_code=self.prefill_error.status)
+            return api.PrefillDone().wire()
 
         @app.post("/generate")
         async def generate(request: Request):
-            body = await request.json()
-            rid, n = body["request_id"], body["params"]["max_tokens"]
+            body = api.GenerateRequest.model_validate(await request.json())
+            rid, n = body.request_id, body.params.max_tokens
 
             async def lines():
+                if body.prefill_url is not None:  # a decode worker: the room's blocks first
+                    yield api.line(api.RoomLine(room=api.Room(request_id=rid, blocks=[0, 1], worker_id=self.role)))
                 for i in range(n):
-                    await asyncio.sleep(self.token_s)
+                    await asyncio.sleep(self.token_s)  # the fake model's pace, not a synchronization
                     if rid in aborted:
-                        yield json.dumps({"token_ids": [], "finish_reason": "abort", "error": None}) + "\n"
+                        yield api.line(api.TokenLine(finish_reason=api.FinishReason.ABORT))
                         return
-                    reason = "length" if i == n - 1 else None
-                    yield json.dumps({"token_ids": [TOKEN], "logprobs": None, "finish_reason": reason,
-                                      "error": None}) + "\n"
+                    reason = api.FinishReason.LENGTH if i == n - 1 else None
+                    yield api.line(api.TokenLine(token_ids=[TOKEN], finish_reason=reason))
 
-            return StreamingResponse(lines(), media_type="application/x-ndjson")
+            return StreamingResponse(lines(), media_type=api.NDJSON)
 
         return app
 
@@ -177,6 +191,21 @@ def test_health_stays_200_while_ready_follows_the_workers(default_model_dir, tok
         run_with_router(config, tokenizer, scenario)
 
 
+def test_a_failed_prefill_is_a_500_naming_it_and_aborts_the_room_on_both_workers(default_model_dir, tokenizer):
+    with FakeWorker("prefill") as prefill, FakeWorker("decode") as decode:
+        prefill.prefill_error = api.ErrorCode.PREFILL_FAILED
+        config = ops_config(default_model_dir, prefill_urls=[prefill.url], decode_urls=[decode.url])
+
+        async def scenario(http: httpx.AsyncClient, router) -> None:
+            r = await http.post(CHAT, json=chat(max_tokens=1000), headers={"X-Request-Id": "pf-1"})
+            assert r.status_code == 500, r.text
+            assert r.json()["error"]["message"] == "prefill failed: the KV transfer failed"
+            await wait_until(lambda: decode.aborts and prefill.aborts, 3, "the aborts to reach both workers")
+            assert decode.aborts == prefill.aborts == [{"request_id": "pf-1", "origin": "peer"}]
+
+        run_with_router(config, tokenizer, scenario)
+
+
 def test_health_fails_when_the_event_loop_stalls(default_model_dir, tokenizer):
     with FakeWorker("both") as worker:
         config = ops_config(default_model_dir, worker_urls=[worker.url], loop_stall_s=0.5)
@@ -186,8 +215,10 @@ def test_health_fails_when_the_event_loop_stalls(default_model_dir, tokenizer):
             time.sleep(1.0)  # blocks the loop, as a runaway handler would
             r = await http.get("/health")
             assert r.status_code == 503 and r.json()["status"] == "stalled"
-            await asyncio.sleep(0.7)  # a stall is reported for `loop_stall_s` after it ended
-            assert (await http.get("/health")).status_code == 200
+            deadline = time.monotonic() + 3  # a stall is reported for `loop_stall_s` after it ended, then not
+            while (await http.get("/health")).status_code != 200:
+                assert time.monotonic() < deadline, "/health did not recover after the stall"
+                await asyncio.sleep(0.05)
 
         run_with_router(config, tokenizer, scenario)
 
@@ -211,7 +242,7 @@ def test_drain_refuses_new_requests_finishes_short_ones_and_stops_long_ones(defa
             await wait_until(lambda: len(router.calls) == 8, 5, "8 streams in flight")
             started = time.monotonic()
             drain = asyncio.create_task(router.drain(1.0))
-            await asyncio.sleep(0.05)
+            await wait_until(lambda: router.draining, 2, "the drain to begin")
             refused = await http.post(CHAT, json=chat())
             assert refused.status_code == 503 and refused.headers["retry-after"] == "5"
             assert refused.json()["error"]["code"] == "service_unavailable"
@@ -239,9 +270,9 @@ def test_drain_refuses_new_requests_finishes_short_ones_and_stops_long_ones(defa
             assert sample(f, "pdserve:e2e_request_latency_seconds", "_count") == 8
 
         run_with_router(config, tokenizer, scenario)
-    about_requests = [r for r in records if r.name in ("pdserve.frontend.choice", "pdserve.frontend.serving",
+    about_requests = [r for r in records if r.name in ("pdserve.frontend.choices", "pdserve.frontend.requests",
                                                        "pdserve.access")]
-    assert {r.name for r in about_requests} == {"pdserve.frontend.choice", "pdserve.frontend.serving",
+    assert {r.name for r in about_requests} == {"pdserve.frontend.choices", "pdserve.frontend.requests",
                                                 "pdserve.access"}
     for r in about_requests:  # every line about a request carries its X-Request-Id
         assert r.request_id, r.getMessage()

@@ -124,7 +124,8 @@ def test_metrics_of_router_and_workers_count_a_scripted_workload():
         wait_for_value(lambda: sum(value(metrics(decode_url), "pdserve:aborts_total", origin=o)
                                    for o in ABORT_ORIGINS), stops + left)
         bogus = httpx.post(f"{decode_url}/abort", json={"request_id": "nope", "origin": "bogus"}, timeout=5)
-        assert bogus.status_code == 400 and "bogus" in bogus.json()["error"]
+        error = bogus.json()["error"]  # the contract's ErrorBody
+        assert bogus.status_code == 400 and error["code"] == "bad_request" and "bogus" in error["message"]
         unknown = httpx.post(f"{decode_url}/abort", json={"request_id": "nope", "origin": "router"}, timeout=5)
         assert unknown.status_code == 200 and unknown.json() == {"ok": True, "aborted": False}
         p, d = metrics(workers["prefill"]), metrics(decode_url)
@@ -161,14 +162,18 @@ def wait_for_value(read, expected: float, timeout_s: float = 5.0) -> None:
 
 
 def wait_idle(workers: dict[str, str], timeout_s: float = 10.0) -> None:
+    """Until every worker is idle by its /load and by its gauges (which its loop snapshots)."""
+    def idle(url: str) -> bool:
+        x = httpx.get(f"{url}/load", timeout=5).json()
+        if not (x["in_flight"] == x["running"] == x["waiting"] == 0 and x["free_blocks"] == x["total_blocks"]):
+            return False
+        m = metrics(url)
+        return (value(m, "pdserve:num_requests_running") == value(m, "pdserve:num_requests_waiting")
+                == value(m, "pdserve:kv_blocks_used") == 0)
+
     deadline = time.monotonic() + timeout_s
-    while True:
-        loads = [httpx.get(f"{u}/load", timeout=5).json() for u in workers.values()]
-        if all(x["in_flight"] == x["running"] == x["waiting"] == 0 and x["free_blocks"] == x["total_blocks"]
-               for x in loads):
-            time.sleep(0.3)  # one more snapshot of the workers' gauges
-            return
-        assert time.monotonic() < deadline, loads
+    while not all(idle(u) for u in workers.values()):
+        assert time.monotonic() < deadline, [httpx.get(f"{u}/load", timeout=5).json() for u in workers.values()]
         time.sleep(0.1)
 
 

@@ -7,18 +7,17 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.frontend import sse
-from pdserve.frontend.backend import Probe, WorkerLoad
-from pdserve.frontend.batching import DeltaBatcher
-from pdserve.frontend.choice import ChoiceEvent
+from pdserve.frontend import render as sse
+from pdserve.frontend.app import RequestIds, client_id
+from pdserve.frontend.choices import ChoiceEvent, DeltaBatcher
 from pdserve.frontend.errors import APIError, context_too_long, validation_message
-from pdserve.frontend.ids import RequestIds, room_ids
-from pdserve.frontend.output import OutputDelta, TextDecoder, TokenLogprob
-from pdserve.frontend.params import expand_choices, resolve_max_tokens, sampling_params, worker_params
+from pdserve.frontend.output import OutputDelta, TextDecoder
 from pdserve.frontend.protocol import MAX_STOP, ChatCompletionRequest, CompletionRequest
 from pdserve.frontend.render import ChatRenderer, CompletionRenderer
-from pdserve.frontend.workers import Role, WorkerPool
+from pdserve.frontend.requests import expand_choices, resolve_max_tokens, room_ids, sampling_params
+from pdserve.frontend.worker_client import Probe
+from pdserve.frontend.workers import WorkerPool
+from pdserve.worker_api import GenerateRequest, Info, Load, Role, SamplingParams, TokenLogprob
 
 # ---- request models ----------------------------------------------------------------------------
 
@@ -117,7 +116,7 @@ def test_sampling_params_from_request_extras():
     p = sampling_params(req, 8, None, vocab_size=100)
     assert (p.top_k, p.min_p, p.repetition_penalty, p.logit_bias, p.max_tokens) == (0, 0.1, 1.2, {5: -100.0}, 8)
     assert 0 <= p.seed < 2**63 and p.stop == ["z"]
-    wire = worker_params(p)
+    wire = GenerateRequest(request_id="r", prompt_ids=[1], params=p).wire()["params"]
     assert "stop" not in wire and wire["logit_bias"] == {"5": -100.0}
 
 
@@ -191,10 +190,10 @@ def test_stop_string_split_across_tokens_is_never_sent(tokenizer):
 
 
 def test_request_id_is_accepted_or_generated():
-    assert RequestIds.client_id("my-id_1.2:3") == "my-id_1.2:3"
-    assert len(RequestIds.client_id(None)) == 32
+    assert client_id("my-id_1.2:3") == "my-id_1.2:3"
+    assert len(client_id(None)) == 32
     with pytest.raises(APIError):
-        RequestIds.client_id("has space")
+        client_id("has space")
 
 
 def test_a_reused_request_id_gets_a_fresh_room_id():
@@ -222,11 +221,16 @@ class Victim:
         self.errors.append(error)
 
 
+def info(worker_id: str, role: Role) -> Info:
+    return Info(role=role, worker_id=worker_id, model="m", max_model_len=2048, block_size=16, num_blocks=64,
+                tp=1, eos_token_ids=[2])
+
+
 def _pool(prefill=1, decode=1, both=0, clock=None):
     pool = WorkerPool(None, [f"p{i}:1" for i in range(prefill)], [f"d{i}:1" for i in range(decode)],
                       [f"b{i}:1" for i in range(both)], dead_after_s=1.5, clock=clock or Clock())
     for w in pool.workers:
-        w.info = {"worker_id": w.url}
+        w.info = info(w.url, w.role)
         pool.observe(w, Probe(True, "ok"))
     return pool
 
@@ -235,7 +239,7 @@ def test_pick_takes_the_least_loaded_decode_and_prefill():
     pool = _pool(prefill=2, decode=2)
     p0, p1 = pool.of_role(Role.PREFILL)
     d0, d1 = pool.of_role(Role.DECODE)
-    d0.load, p1.load = WorkerLoad(running=3), WorkerLoad(waiting=2)
+    d0.load, p1.load = Load(running=3), Load(waiting=2)
     route = pool.pick()
     assert (route.decode, route.prefill) == (d1, p0)
 
@@ -304,7 +308,7 @@ def test_a_failed_worker_fails_its_requests_at_once_and_is_back_when_healthy():
     decode.inflight.add(victim)
     pool.observe(decode, Probe(True, "failed"))
     assert not decode.healthy and victim.errors
-    decode.info = {"worker_id": "d"}
+    decode.info = info("d", Role.DECODE)
     pool.observe(decode, Probe(True, "ok"))
     assert decode.healthy and pool.ready
 
@@ -328,7 +332,7 @@ def test_a_prefill_worker_without_a_worker_id_is_not_picked():
 
 
 def _event(index, text, ids, finish=None, logprobs=()):
-    from pdserve.frontend.batching import Batch
+    from pdserve.frontend.choices import Batch
 
     return ChoiceEvent(index, Batch(OutputDelta(text), list(ids), list(logprobs)), finish, None, len(ids))
 
@@ -347,7 +351,7 @@ def test_chat_stream_opens_with_the_role_and_ends_with_usage(tokenizer):
 
 def test_completion_logprobs_have_tokens_and_offsets(tokenizer):
     ids = tokenizer.encode("Hello world")
-    lps = [TokenLogprob(t, -0.5, [(t, -0.5), (0, -3.0)]) for t in ids]
+    lps = [TokenLogprob(token_id=t, logprob=-0.5, top=[(t, -0.5), (0, -3.0)]) for t in ids]
     r = CompletionRenderer("cmpl-x", "m", 1, 3, tokenizer, echo=["Say: "], logprobs=1)
     r.absorb(_event(0, "Hello world", ids, "length", lps))
     choice = r.response()["choices"][0]
@@ -363,9 +367,9 @@ def test_completion_logprobs_have_tokens_and_offsets(tokenizer):
 def test_a_choice_failed_before_its_first_step_still_ends_with_an_error_and_aborts(tokenizer):
     import asyncio
 
-    from pdserve.frontend.choice import ChoiceRun, ChoiceSpec, Services
+    from pdserve.frontend.choices import ChoiceRun, ChoiceSpec, Services
     from pdserve.frontend.errors import unavailable
-    from pdserve.frontend.workers import Route, Worker
+    from pdserve.frontend.workers import Route, WorkerEndpoint
 
     async def scenario():
         events, aborts = [], []
@@ -374,13 +378,13 @@ def test_a_choice_failed_before_its_first_step_still_ends_with_an_error_and_abor
             aborts.append(coro.cr_frame.f_locals.get("urls") if coro.cr_frame else None)
             coro.close()
 
-        route = Route(Worker("http://d", Role.DECODE), Worker("http://p", Role.PREFILL))
+        route = Route(WorkerEndpoint("http://d", Role.DECODE), WorkerEndpoint("http://p", Role.PREFILL))
         run = ChoiceRun(ChoiceSpec(0, "r", [1, 2], SamplingParams()), route, TextDecoder(tokenizer, []),
                         events.append, Services(None, spawn))
         assert route.decode.inflight == {run} and route.prefill.inflight == {run}
         run.start()
         run.fail(unavailable("the decode worker died"))
-        await asyncio.sleep(0.01)
+        await asyncio.wait({run._task}, timeout=5)  # the failure ends the choice's task (its callback emits)
         return events, aborts, route
 
     events, aborts, route = asyncio.run(scenario())

@@ -12,15 +12,14 @@ from typing import Any
 
 import pytest
 
-from pdserve.frontend.batching import Batch, DeltaBatcher
-from pdserve.frontend.choice import ChoiceEvent
+from pdserve.frontend.choices import Batch, ChoiceEvent, DeltaBatcher
 from pdserve.frontend.errors import APIError
 from pdserve.frontend.output import ChatOutput, OutputDelta
 from pdserve.frontend.prompts import PromptBuilder, PromptStyle
 from pdserve.frontend.protocol import ChatCompletionRequest
 from pdserve.frontend.render import ChatRenderer
 from pdserve.frontend.tools import ToolPolicy
-from pdserve.parsers import ProfileError, ToolCallArgs, ToolCallStart, ToolsMode
+from pdserve.parsers import ParamSchema, ProfileError, ToolCallArgs, ToolCallStart, ToolsMode
 from pdserve.tokenizer import Tokenizer
 
 from tests.frontend.scripted import (CALLS, CONTENT, DSML, FAMILIES, MESSAGES, REASONING, TOOLS, script_ids,
@@ -143,7 +142,7 @@ def test_policy_parser_options(model: Model) -> None:
     opts = ToolPolicy.of(req).parser_options(model.output.profile, [], frozenset({7}), "call_x")
     assert opts.tools_mode is ToolsMode.EMIT and opts.max_calls == 1 and not opts.separate_reasoning
     assert opts.known_tools == {"get_time"} and opts.drop_unknown_tools and opts.stop_ids == {7}
-    assert opts.param_types["get_weather"] == {"city": "string", "days": "integer"}
+    assert opts.schemas["get_weather"] == {"city": ParamSchema("string"), "days": ParamSchema("integer")}
     assert ToolPolicy.of(request()).parser_options(model.output.profile, [], frozenset(), "c").tools_mode \
         is ToolsMode.SUPPRESS
 

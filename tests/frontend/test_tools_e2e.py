@@ -5,7 +5,8 @@ decode → parser → SSE.
 One server per tokenizer (module-scoped: only one runs at a time). V3.2 and GLM run in PD mode,
 V4 and Qwen colocated; the V4 server streams with --stream-batch 4. Every case compares what the
 client gets with the script's meaning (tests/frontend/scripted.py): reasoning, one sentence of
-content, two calls.
+content, two calls. The V3.2 script writes `days` as a string (`string="true">3<`): the request's
+schema (integer) makes it 3 again.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import httpx
 import pytest
 
 from tests.frontend.conftest import Server, free_port, serve_command, start_server, stop_server
-from tests.frontend.scripted import (CALLS, CONTENT, FAMILIES, MESSAGES, REASONING, TOOLS, Family, script_ids,
-                                     write_scripted_model, write_tokenizer)
+from tests.frontend.scripted import (CALLS, CONTENT, DSML, FAMILIES, MESSAGES, REASONING, TOOLS, Family,
+                                     script_ids, write_scripted_model, write_tokenizer)
 
 pytestmark = pytest.mark.e2e
 
@@ -46,10 +47,18 @@ class Served:
     server: Server
 
 
+# V3.2 writes the integer as a string: schema typing must return it as an integer.
+STRING_DAYS = (f'<{DSML}parameter name="days" string="false">3<', f'<{DSML}parameter name="days" string="true">3<')
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     name = request.param
-    model_dir = write_scripted_model(FAMILIES[name], tmp_path_factory.mktemp(f"scripted-{name}"))
+    script = FAMILIES[name].script
+    if name == "v32":
+        assert STRING_DAYS[0] in script
+        script = script.replace(*STRING_DAYS)
+    model_dir = write_scripted_model(FAMILIES[name], tmp_path_factory.mktemp(f"scripted-{name}"), script)
     server = start_server("--model", str(model_dir), "--served-model-name", MODEL, *SERVE[name],
                           log_path=model_dir.parent / f"serve-{name}.log")
     try:
@@ -334,3 +343,73 @@ def test_serve_refuses_a_tokenizer_without_the_markers_before_starting_workers(t
     assert proc.returncode == 1
     assert "marker '<tool_call>' is not a single token" in proc.stderr
     assert "started worker" not in proc.stderr
+
+
+def first_id_with(s: Served, text: str) -> int:
+    """The first script id whose token holds `text`."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(s.model_dir / "tokenizer.json"))
+    return next(t for t in script_ids(s.model_dir) if text in tok.decode([t], skip_special_tokens=False))
+
+
+def reported(s: Served, **fields: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Non-streamed and streamed: the summary (without the reported calls) and the reports."""
+    response = post(s, **fields)
+    plain = summary(response)
+    invalid = response["choices"][0]["message"].get("invalid_tool_calls", [])
+    chunks = stream(f"{s.server.v1}/chat/completions", body(s, **fields))
+    final = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert [f.get("invalid_tool_calls", []) for f in final] == [invalid]
+    streamed = accumulate(chunks)
+    dropped = {r["index"] for r in invalid}
+    streamed["calls"] = [c for i, c in enumerate(streamed["calls"]) if i not in dropped]
+    assert streamed == plain
+    return plain, invalid
+
+
+# What the model wrote of the first call before "Paris", per family (the text of its report).
+CUT_TEXT = {"v32": '{"city": "', "v4": '{"city": "', "glm": '{"city": "', "qwen": '{"name": "get_weather", "arguments": {"city": "'}
+CUT_INDEX = {"v32": 0, "v4": 0, "glm": 0, "qwen": None}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_call_cut_by_an_end_id_is_reported_not_returned(served: Served) -> None:
+    """The output ends (a stop id, as EOS would) inside the first call's arguments: no call is
+    returned, finish_reason is "stop", the call is reported in `invalid_tool_calls`."""
+    result, invalid = reported(served, tools=TOOLS, stop_token_ids=[first_id_with(served, "Paris")])
+    assert (result["calls"], result["finish_reason"], result["content"]) == ([], "stop", CONTENT)
+    assert_no_markup(result)
+    assert [(r["index"], r["name"], r["text"]) for r in invalid] == [
+        (CUT_INDEX[served.name], "get_weather", CUT_TEXT[served.name])]
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_a_call_whose_arguments_closed_before_the_end_is_returned(served: Served) -> None:
+    """The output ends right where the first call's closer would come: its arguments are
+    complete, so it is a call (for Hermes: the body without `</tool_call>`)."""
+    closer = {"v32": "</", "v4": "</", "glm": "</tool_call>", "qwen": "</tool_call>"}[served.name]
+    if closer == "</":
+        pytest.skip("no single id closes only a DSML invoke; the parser tests cover it")
+    result, invalid = reported(served, tools=TOOLS, stop_token_ids=[first_id_with(served, closer)])
+    assert (parsed_calls(result), result["finish_reason"], invalid) == (CALLS[:1], "tool_calls", [])
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_values_take_the_schema_type_only_when_it_asks(served: Served) -> None:
+    """V3.2 wrote `days` as the string "3": the schema's integer makes it 3 (the first test), a
+    string schema keeps "3"."""
+    if served.name != "v32":
+        pytest.skip("the V3.2 script writes the string value")
+    tools = json.loads(json.dumps(TOOLS))
+    tools[0]["function"]["parameters"]["properties"]["days"]["type"] = "string"
+    result = both(served, tools=tools)
+    assert parsed_calls(result)[0] == ("get_weather", {"city": "Paris", "days": "3"})
+
+
+@pytest.mark.timeout(60)
+def test_serve_refuses_an_unknown_tool_call_parser_at_once(tmp_path: Path) -> None:
+    proc = subprocess.run([*serve_command(), "--model", str(tmp_path), "--tool-call-parser", "deepseek_v9",
+                           "--port", str(free_port())], capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2
+    assert "unknown tool-call parser 'deepseek_v9'; one of deepseek_r1, deepseek_v3," in proc.stderr

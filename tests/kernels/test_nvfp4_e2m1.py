@@ -1,4 +1,4 @@
-"""E2M1 encode/decode and nibble packing (shared/specs/nvfp4.md, "NVFP4 number format")."""
+"""E2M1 encode/decode and nibble packing (docs/nvfp4.md, "Numbers")."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Block scales, tensor scales and quantization with ModelOpt's formulas (specs/nvfp4.md)."""
+"""Block scales, tensor scales and quantization with ModelOpt's formulas (docs/nvfp4.md)."""
 from __future__ import annotations
 
 import pytest

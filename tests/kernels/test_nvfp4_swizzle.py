@@ -8,7 +8,7 @@ from pdserve_kernels.nvfp4 import swizzle_offset, swizzle_scales, swizzled_size,
 
 
 def _spec_offset(r: int, k: int, k_blocks: int) -> int:
-    """offset(r, k) from shared/specs/nvfp4.md, written out independently."""
+    """offset(r, k) from docs/nvfp4.md, written out independently."""
     return ((r // 128) * -(-k_blocks // 4) + k // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + k % 4
 
 

@@ -122,16 +122,19 @@ def test_text_between_tags_is_dropped_or_fails(v32: Model) -> None:
 def test_text_after_the_block_is_content_or_fails(v32: Model) -> None:
     text = "Calling.\n\n" + f"<{D}function_calls>\n" + invoke("f") + f"\n</{D}function_calls>\n\nDone." + EOS
     lenient = parse(v32, text)
-    assert lenient.content == "Calling.Done." and calls(lenient) == [("f", "{}", True)]
+    assert lenient.content == "Calling.\n\nDone." and calls(lenient) == [("f", "{}", True)]  # one separator kept
     strict = parse(v32, text, STRICT)
     assert strict.failed and strict.diagnostics[-1].code is Diag.TEXT_AFTER_BLOCK
 
 
-def test_opener_without_separator_is_accepted_or_fails(v32: Model) -> None:
+def test_opener_without_separator_is_accepted_with_a_diagnostic_in_both_modes(v32: Model) -> None:
+    """Strict mode accepts the block opener without the blank line the encoder renders (the
+    peers' outputs lack it); the deviation is a non-fatal diagnostic (docs/tool-calls.md §6)."""
     text = "Hi " + f"<{D}function_calls>\n" + invoke("f") + f"\n</{D}function_calls>" + EOS
-    lenient = parse(v32, text)
-    assert lenient.content == "Hi " and calls(lenient) == [("f", "{}", True)]
-    assert_failed(parse(v32, text, STRICT), Diag.NO_SEPARATOR)
+    for options in (LENIENT, STRICT):
+        agg = parse(v32, text, options)
+        assert agg.content == "Hi " and calls(agg) == [("f", "{}", True)] and not agg.failed
+        assert codes(agg) == [Diag.NO_SEPARATOR]
 
 
 @pytest.mark.parametrize("options", [LENIENT, STRICT], ids=["lenient", "strict"])

@@ -36,7 +36,7 @@ CASES = [
      ("", "", [("get_weather", '{"city": "Paris", "days": 3}', True), ("now", "{}", True)], "tool_calls", [])),
     ("schema-string", "<tool_call>f<arg_key>code</arg_key><arg_value>123</arg_value><arg_key>n</arg_key>"
      "<arg_value>7</arg_value></tool_call>" + OBS, TYPED, False,
-     ("", "", [("f", '{"code": "123", "n": 7}', True)], "tool_calls", [])),
+     ("", "", [("f", '{"code": "123", "n": 7}', True)], "tool_calls", [Diag.VALUE_CONVERTED])),
     ("no-schema-guesses", "<tool_call>f<arg_key>code</arg_key><arg_value>123</arg_value></tool_call>" + OBS,
      ParserOptions(), False, ("", "", [("f", '{"code": 123}', True)], "tool_calls", [])),
     ("think-ids-in-value", "<tool_call>f<arg_key>code</arg_key><arg_value>use <think>x</think></arg_value>"

@@ -55,7 +55,7 @@ def test_v4_profile_has_the_spec_ids(v4: Model) -> None:
 @pytest.mark.parametrize(("model", "hint", "fmt"), [
     ("deepseek-v3.2", "deepseek_v32", Format.DSML), ("deepseek-v4", "deepseek_v4", Format.DSML),
     ("glm-4.7-flash", "glm_moe_dsa", Format.GLM), ("qwen-3", "qwen3", Format.HERMES),
-    ("deepseek-r1", None, Format.PLAIN), ("deepseek-coder-33b-base", None, Format.PLAIN),
+    ("deepseek-r1", None, Format.DSV3), ("deepseek-coder-33b-base", None, Format.PLAIN),
 ])
 def test_profile_detection_agrees_with_the_model_type_hint(model: str, hint: str | None, fmt: Format) -> None:
     vocab = load_model(model).vocab
@@ -124,7 +124,7 @@ def test_prompt_opens_reasoning_is_read_from_the_prompt_ids(v32: Model, qwen: Mo
 
 
 def test_plain_profile_separates_reasoning_and_drops_control_tokens() -> None:
-    r1 = load_model("deepseek-r1")
+    r1 = load_model("deepseek-r1", "plain")
     text = "<think>\nplan\n</think>The answer.<\uff5cend\u2581of\u2581sentence\uff5c>"
     agg = aggregate(run(r1, r1.encode(text), ParserOptions()))
     assert (agg.reasoning, agg.content) == ("\nplan\n", "The answer.")

@@ -10,10 +10,11 @@ import socket
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import KVRole
 from pdserve.kvcache import BlockAllocator
 from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig
 from pdserve.scheduler.lockstep import LockstepLoop, state_digest
-from pdserve.scheduler.plan import SampledToken, TransferOutcome
+from pdserve.scheduler.plan import KVPeer, SampledToken, TransferKind, TransferOutcome
 
 STEPS = 10_000
 DRAIN = 200  # the last steps abort what is live and admit nothing
@@ -36,19 +37,20 @@ class RandomTransfers:
             if state == "open" and self.rng.random() < 0.2:
                 if self.rng.random() < 0.1:
                     del self.rooms[rid]
-                    out += [TransferOutcome(rid, "failed", error="random"), TransferOutcome(rid, "fenced")]
+                    out += [TransferOutcome(rid, TransferKind.FAILED, error="random"),
+                            TransferOutcome(rid, TransferKind.FENCED)]
                 else:
                     self.rooms[rid] = "landed"
             elif state == "landed" and self.rng.random() < 0.5:
                 del self.rooms[rid]
-                out.append(TransferOutcome(rid, "arrived", SampledToken(rid, 7)))
+                out.append(TransferOutcome(rid, TransferKind.ARRIVED, SampledToken(rid, 7)))
             elif state == "aborted" and self.rng.random() < 0.3:
                 del self.rooms[rid]
-                out.append(TransferOutcome(rid, "fenced"))
+                out.append(TransferOutcome(rid, TransferKind.FENCED))
         return out
 
     def act(self, plan, outputs, held) -> None:
-        stop = [rid for rid, _ in plan.aborted] + [t.request_id for t in plan.transfers if t.kind == "failed"]
+        stop = [rid for rid, _ in plan.aborted] + [t.request_id for t in plan.transfers if t.kind is TransferKind.FAILED]
         for rid in stop:
             if self.rooms.get(rid) == "open":
                 self.rooms[rid] = "aborted"
@@ -82,7 +84,7 @@ def rank_main(rank: int, port: int, results) -> None:
                 next_id += 1
                 inbox.new.append(NewRequest(rid, [5] * rng.randint(1, 30),
                                             SamplingParams(temperature=0, max_tokens=rng.randint(1, 12)),
-                                            kv="decode", peer={"worker_id": "p"}))
+                                            kv=KVRole.DECODE, peer=KVPeer("p")))
                 live.append(rid)
             if live and rng.random() < 0.3:
                 inbox.aborts.append((rng.choice(live), "abort"))

@@ -6,9 +6,10 @@ import copy
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import KVRole
 from pdserve.kvcache import BlockAllocator
 from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig
-from pdserve.scheduler.plan import SampledToken, TransferOutcome
+from pdserve.scheduler.plan import KVPeer, SampledToken, TransferKind, TransferOutcome
 
 
 def make(num_blocks=16, budget=8, max_seqs=4) -> Scheduler:
@@ -99,19 +100,19 @@ def test_plan_is_deterministic():
     assert s1.plan(0, inbox, []) == s2.plan(0, inbox, [])
 
 
-@pytest.mark.parametrize("ending", ["arrived", "fenced"])
+@pytest.mark.parametrize("ending", [TransferKind.ARRIVED, TransferKind.FENCED])
 def test_an_aborted_decode_room_frees_its_blocks_when_its_kv_lands_late(ending):
     """The abort reaches a decode room before the agreed end of its transfer. With TP, a rank
     can report an arrival (polled before it saw the abort, then held back in its backlog) after
     the abort: that arrival, like a fence, is the room's last word and must free its blocks."""
     s = make(num_blocks=8)
     room = NewRequest("r", list(range(10, 19)), SamplingParams(temperature=0, max_tokens=4),
-                      kv="decode", peer={"worker_id": "p"})
+                      kv=KVRole.DECODE, peer=KVPeer("p"))
     s.apply(s.plan(0, Inbox(new=[room]), []))
     assert s.allocator.num_used == 3
     s.apply(s.plan(1, Inbox(aborts=[("r", "abort")]), []))
     assert s.allocator.num_used == 3  # held: the transfer may still write
-    outcome = TransferOutcome("r", ending, SampledToken("r", 7) if ending == "arrived" else None)
+    outcome = TransferOutcome("r", ending, SampledToken("r", 7) if ending is TransferKind.ARRIVED else None)
     plan = s.plan(2, Inbox(), [], [outcome])
     outputs, batch = s.apply(plan)
     assert outputs == [] and batch == [] and not s.has_work()

@@ -28,16 +28,21 @@ def test_target_killed_mid_transfer(procs) -> None:
         victim.wait_for(kind("RoomDone", "warm"))
 
         victim.call("expect", "kt", source.name, [1, 2, 3])
-        victim.call("pause", True)  # the write stays in flight
+        victim.call("expect", "kt2", source.name, [4, 5])
+        victim.call("pause", True)  # the writes stay in flight
         assert source.call("write", "kt", name, [1, 2, 3], [1, 2, 3], b"x")
+        assert source.call("write", "kt2", name, [4, 5], [4, 5], b"y")  # two handles: one death
+        assert source.call("metrics")["writes_in_flight"] == 2
         mark = source.mark()
         killed_at = victim.kill()
 
         ts, failed = source.wait_for(kind("RoomFailed", "kt"), timeout=DETECT_S + 1, since=mark)
         assert ts - killed_at < DETECT_S, f"failure seen {ts - killed_at:.3f}s after the kill"
         source.wait_for(kind("PeerDead"), since=mark)
-        source.wait_for(kind("Fenced", "kt"), since=mark)
-        assert source.call("state", "kt") == "failed"
+        for room in ("kt", "kt2"):  # the first handle's error drains the second: never used again
+            source.wait_for(kind("RoomFailed", room), since=mark)
+            source.wait_for(kind("Fenced", room), since=mark)
+            assert source.call("state", room) == "failed"
         print(f"target killed: source saw the failure after {1e3 * (ts - killed_at):.0f} ms")
 
         # The survivor still serves: the restarted target (same name) reconnects.

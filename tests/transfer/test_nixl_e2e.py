@@ -19,6 +19,21 @@ def settle(target: Agent, source: Agent, room: str) -> None:
     source.wait_for(kind("RoomWritten", room))
 
 
+def stays(check, seconds: float) -> None:
+    """`check()` holds during the whole window: for what must *not* happen while a side is
+    paused (a negative check, so a window, not a wait for a condition)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        check()
+        time.sleep(0.01)
+
+
+def no_event(agent: Agent, room: str, name: str):
+    def check() -> None:
+        assert not [e for e in agent.events_of(room) if type(e).__name__ == name], (agent.name, room, name)
+    return check
+
+
 def test_scattered_blocks_arrive_byte_exact_before_the_payload(procs) -> None:
     target, source = procs
     src, dst = [3, 7, 1, 12, 40, 62], [0, 9, 5, 2, 33, 17]
@@ -42,15 +57,12 @@ def test_target_abort_in_flight_holds_blocks_until_fenced(procs) -> None:
     target.call("expect", "abort-t", source.name, [20, 21])
     target.call("pause", True)  # the target stops polling: the write cannot complete
     assert source.call("write", "abort-t", target.name, [20, 21], [20, 21], b"x")
-    time.sleep(0.2)
-    assert source.call("state", "abort-t") == "transferring"
+    stays(lambda: source.call("state", "abort-t") == "transferring" or pytest.fail("completed"), 0.2)
     target.call("abort", "abort-t")  # decode side aborts (client left); the source is told
     assert target.call("state", "abort-t") == "aborted"
     source.wait_for(kind("RoomAborted", "abort-t"))
-    time.sleep(0.3)
     # In flight: neither side may reuse the blocks yet.
-    assert not [e for e in source.events_of("abort-t") if type(e).__name__ == "Fenced"]
-    assert not [e for e in target.events_of("abort-t") if type(e).__name__ == "Fenced"]
+    stays(lambda: (no_event(source, "abort-t", "Fenced")(), no_event(target, "abort-t", "Fenced")()), 0.3)
     target.call("pause", False)
     source.wait_for(kind("Fenced", "abort-t"))
     target.wait_for(kind("Fenced", "abort-t"))
@@ -67,9 +79,8 @@ def test_source_abort_in_flight_holds_blocks_until_fenced(procs) -> None:
     assert source.call("write", "abort-s", target.name, [30], [30], b"x")
     source.call("abort", "abort-s")  # prefill side aborts; the target is told
     source.call("abort", "abort-s")  # idempotent
-    time.sleep(0.3)
     assert source.call("state", "abort-s") == "aborted"
-    assert not [e for e in source.events_of("abort-s") if type(e).__name__ == "Fenced"]
+    stays(no_event(source, "abort-s", "Fenced"), 0.3)  # the write is in flight: no fence yet
     target.call("pause", False)
     target.wait_for(kind("RoomAborted", "abort-s"))
     target.wait_for(kind("Fenced", "abort-s"))

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import socket
@@ -14,6 +13,8 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+
+from pdserve import worker_api as api
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
@@ -79,7 +80,8 @@ def start_worker(role: str, model: str, *extra: str, worker_id: str | None = Non
 
 
 class PDClient:
-    """The router's PD flow, done by hand: decode allocates the room, prefill sends the KV."""
+    """The router's PD flow, done by hand with the contract's messages (pdserve.worker_api):
+    decode allocates the room, prefill sends the KV."""
 
     def __init__(self, prefill: WorkerProc | None, decode: WorkerProc):
         self.prefill, self.decode = prefill, decode
@@ -87,40 +89,43 @@ class PDClient:
                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
     async def generate(self, rid: str, prompt_ids: list[int], params: dict) -> tuple[list[int], str, str | None]:
-        body = {"request_id": rid, "prompt_ids": prompt_ids, "params": params}
+        """(tokens, finish reason, error) of one request; `params`: SamplingParams fields."""
+        body = api.GenerateRequest(request_id=rid, prompt_ids=prompt_ids, params=api.SamplingParams(**params))
         if self.prefill is not None:
-            body |= {"prefill_url": self.prefill.url, "prefill_worker_id": self.prefill.worker_id}
+            body.prefill_url, body.prefill_worker_id = self.prefill.url, self.prefill.worker_id
         tokens: list[int] = []
         prefill_task = None
         try:  # X-Request-Id as the router sends it: the room id
-            async with self.http.stream("POST", self.decode.url + "/generate", json=body,
+            async with self.http.stream("POST", self.decode.url + "/generate", json=body.wire(),
                                         headers={"X-Request-Id": rid}) as r:
                 assert r.status_code == 200, await r.aread()
-                async for line in r.aiter_lines():
-                    msg = json.loads(line)
-                    if "room" in msg:  # blocks allocated: prefill writes into them, concurrently
-                        prefill_task = asyncio.create_task(self._prefill(rid, prompt_ids, params, msg["room"]))
+                async for text in r.aiter_lines():
+                    msg = api.parse_line(text)
+                    if isinstance(msg, api.RoomLine):  # blocks allocated: prefill writes into them, concurrently
+                        prefill_task = asyncio.create_task(self._prefill(body, msg.room))
                         continue
-                    tokens += msg["token_ids"]
-                    if msg["finish_reason"]:
-                        return tokens, msg["finish_reason"], msg["error"]
+                    tokens += msg.token_ids
+                    if msg.finish_reason is not None:
+                        return tokens, msg.finish_reason.value, msg.error
         finally:
             if prefill_task is not None and not prefill_task.done():
                 prefill_task.cancel()
         raise AssertionError("stream ended without a finish_reason")
 
-    async def _prefill(self, rid: str, prompt_ids: list[int], params: dict, room: dict) -> None:
-        r = await self.http.post(self.prefill.url + "/prefill", headers={"X-Request-Id": rid}, json={
-            "request_id": rid, "prompt_ids": prompt_ids, "params": params,
-            "decode": {"worker_id": room["worker_id"], "decode_url": self.decode.url, "blocks": room["blocks"]}})
-        if r.json()["status"] != "done":
-            await self.abort(rid)
+    async def _prefill(self, req: api.GenerateRequest, room: api.Room) -> None:
+        body = api.PrefillRequest(request_id=req.request_id, prompt_ids=req.prompt_ids, params=req.params,
+                                  decode=api.DecodeTarget(worker_id=room.worker_id, decode_url=self.decode.url,
+                                                          blocks=room.blocks))
+        r = await self.http.post(self.prefill.url + "/prefill", headers={"X-Request-Id": req.request_id},
+                                 json=body.wire())
+        if r.status_code != 200:  # a failed prefill is an error status (ErrorBody)
+            await self.abort(req.request_id)
 
     async def abort(self, rid: str, origin: str | None = None) -> None:
-        body = {"request_id": rid, **({"origin": origin} if origin else {})}
+        body = api.AbortRequest(request_id=rid, **({"origin": origin} if origin else {}))
         for w in (self.prefill, self.decode):
             if w is not None:
-                await self.http.post(w.url + "/abort", json=body, headers={"X-Request-Id": rid})
+                await self.http.post(w.url + "/abort", json=body.wire(), headers={"X-Request-Id": rid})
 
 
 def wait_for(cond, timeout: float = 10.0, what: str = "condition") -> None:

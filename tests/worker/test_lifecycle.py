@@ -9,14 +9,31 @@ import time
 import httpx
 import pytest
 
+from pdserve.worker.faults import FaultPlan
+
 from .conftest import PDClient, start_worker, wait_for
+
+
+async def until(c: PDClient, w, pred, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred((await c.http.get(w.url + "/load")).json()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
+async def until_health(c: PDClient, w, status: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while (await c.http.get(w.url + "/health")).json().get("status") != status:
+        assert time.monotonic() < deadline, f"timed out waiting for /health {status!r}"
+        await asyncio.sleep(0.02)
 
 
 @pytest.mark.e2e
 @pytest.mark.chaos
 @pytest.mark.timeout(300)
 def test_wedged_loop_turns_health_unhealthy(tiny_llama_dir, monkeypatch):
-    monkeypatch.setenv("PDSERVE_TEST_HOOKS", "1")
+    for name, value in FaultPlan(debug_routes=True).to_env().items():  # POST /debug/wedge exists
+        monkeypatch.setenv(name, value)
     w = start_worker("both", tiny_llama_dir, "--health-stall-timeout", "1.5")
     try:
         assert w.get("/health").status_code == 200
@@ -43,9 +60,9 @@ def test_sigterm_drains_and_exits_zero(tiny_llama_dir):
                                                                        "ignore_eos": True})) for i in range(16)]
         long = [asyncio.create_task(c.generate(f"l-{i}", [5, 6, 7], {"temperature": 0, "max_tokens": 400,
                                                                       "ignore_eos": True})) for i in range(16)]
-        await asyncio.sleep(0.5)
+        await until(c, w, lambda load: load["running"] >= 16, "the long requests decoding")
         os.kill(w.proc.pid, signal.SIGTERM)
-        await asyncio.sleep(0.3)
+        await until_health(c, w, "draining")
         refused = await c.http.post(w.url + "/generate", json={"request_id": "new", "prompt_ids": [1],
                                                                "params": {}})
         return await asyncio.gather(*short, *long, return_exceptions=True), refused

@@ -1,6 +1,6 @@
 """DeepSeek-V3.2 prompt encoder (the model ships an encoder instead of a Jinja template).
 
-Format facts from DeepSeek's reference `encoding_dsv32.py` (specs/dsml.md §1.1): tools go into
+Format facts from DeepSeek's reference `encoding_dsv32.py` (docs/dsml.md, "DeepSeek-V3.2"): tools go into
 the system prompt, assistant tool calls are rendered back as a DSML `function_calls` block, and
 tool results follow the assistant turn by position in `<function_results>`. Thinking mode opens
 `<think>` after the last user turn (or after its tool results) and drops older reasoning.

@@ -1,6 +1,6 @@
 """DeepSeek-V4 prompt encoder (format of DeepSeek's reference `encoding_dsv4.py`).
 
-Differences from V3.2 (specs/dsml.md §1.2): the block is `tool_calls`; there is no tool role —
+Differences from V3.2 (docs/dsml.md, "DeepSeek-V4"): the block is `tool_calls`; there is no tool role —
 tool results are merged into the next user turn as `<tool_result>` blocks, ordered by the
 assistant's call order via `tool_call_id`; `<｜Assistant｜>` is written only where an assistant
 turn follows; reasoning is kept for every turn when tools are present; `reasoning_effort="max"`

@@ -1,4 +1,4 @@
-"""How a linear layer stores its weight and multiplies by it: plain, or NVFP4.
+"""How a linear layer stores its weight and multiplies by it: plain, NVFP4, or GGUF blocks.
 
 A `LinearMethod` is chosen per layer when the model is built (from the checkpoint's quantization
 config and exclude list) and owns the layer's weight parameters: it creates them, loads the
@@ -16,6 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class QuantConfigError(ValueError):
+    """A checkpoint's quantization config, or a tensor of it, is unsupported or inconsistent."""
+
+
 class Shard(NamedTuple):
     """The part of a checkpoint tensor one rank reads, and where it goes in the layer."""
 
@@ -27,7 +31,8 @@ class Shard(NamedTuple):
 
 
 class QuantConfig(Protocol):
-    """What the model asks of a checkpoint's quantization config (pdserve.weights.nvfp4)."""
+    """What the model asks of a checkpoint's quantization config (pdserve.weights.nvfp4 and
+    pdserve.weights.quantization)."""
 
     def linear_method(self, names: list[str]) -> LinearMethod | None:
         """The method for the linear made of checkpoint modules `names`; None: not quantized."""

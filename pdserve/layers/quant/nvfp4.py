@@ -20,8 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import pdserve_kernels.nvfp4 as fp4
-from pdserve.layers.quant import LinearMethod, Shard, place, read_shard
-from pdserve.weights.nvfp4 import QuantConfigError, unify_fused_scales
+from pdserve.layers.quant import LinearMethod, QuantConfigError, Shard, place, read_shard
 
 logger = logging.getLogger(__name__)
 
@@ -195,3 +194,27 @@ class NVFP4LinearMethod(LinearMethod):
             xq, sfa = cuda_lib.nvfp4_quantize(x2, self.gs)
             y = cuda_lib.nvfp4_gemm(xq, layer.weight, sfa, layer.weight_scale_swizzled, self.alpha)
         return y.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+def unify_fused_scales(weight_scale: torch.Tensor, rows: list[tuple[int, int]],
+                       scale_2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One weight_scale_2 for a fused matrix whose parts (row ranges) came with their own.
+
+    The fused matmul has one tensor scale, so it takes the largest part's, `S = max(s_i)`, as
+    vLLM does. A part quantized with `s_i < S` keeps its E2M1 codes and gets block scales
+    `e4m3(weight_scale * s_i / S)`: its dequantized values `code * weight_scale * s_i` are kept
+    up to one E4M3 rounding of each block scale (relative 2^-4 at most, the same step ModelOpt
+    takes when it quantizes with the shared scale; blocks whose scale falls below E4M3's
+    smallest subnormal round to zero, values under `amax * 2^-10 / 448`). Re-encoding the codes
+    from the dequantized values instead would round every element a second time on the coarse
+    E2M1 grid, for no gain. Using the largest scale means no block scale grows, so none
+    saturates at 448. ModelOpt's exports share one scale per fused group already (it takes the
+    max amax before quantizing), and then this is the identity.
+    """
+    target = scale_2.max()
+    out = weight_scale.clone()
+    for (start, count), s in zip(rows, scale_2, strict=True):
+        if s != target:
+            part = weight_scale[start:start + count].to(torch.float32) * (s / target)
+            out[start:start + count] = fp4.to_e4m3(part)
+    return out, target

@@ -1,12 +1,21 @@
-"""One choice of one request, end to end across the workers.
+"""A request's choices, end to end across the workers: each choice's PD flow, its tokens
+decoded and batched into events, the choices' events merged into one stream.
 
-PD flow: POST /generate to the decode worker with the prefill worker's URL; its first line names
-the room's KV blocks; POST /prefill to the prefill worker with them (concurrently); then read
-token lines from decode until a finish. Colocated: /generate with ``prefill_url: null``.
+``Generation`` starts every choice of one API request together. Workers are picked for every
+choice before anything is sent, so "no worker available" is a plain 503 even for a streaming
+request. Cancelling the generation (the client went away, or one choice failed) aborts every
+choice's room on its workers.
+
+``ChoiceRun`` is one choice, in the messages of ``pdserve.worker_api``: POST /generate to the
+decode worker with the prefill worker's URL; its first line (``RoomLine``) names the room's KV
+blocks; POST /prefill to the prefill worker with them (concurrently; a failed prefill answers an
+error status); then read ``TokenLine``s from decode until a finish. Colocated: /generate with
+``prefill_url: None``.
 
 Every token goes through the choice's ``OutputDecoder`` one at a time; deltas are grouped by a
-``DeltaBatcher`` and handed to the request as ``ChoiceEvent``s. Unless the decode worker itself
-reported a normal finish, the room is aborted on both workers when the choice ends, whatever
+``DeltaBatcher`` (the first token alone, then up to N per event; see ``DeltaBatcher``) and
+handed to the request as ``ChoiceEvent``s. Unless the decode worker itself reported a normal
+finish, the room is aborted on both workers when the choice ends, whatever
 ended it; the abort's origin (``pdserve.metrics.ABORT_ORIGINS``) says what: "router" (a stop
 string, or another choice of the request failed), "client" (it went away), "peer" (a worker
 failed or died), "drain" (the router shut down before the choice finished).
@@ -16,19 +25,68 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.frontend.backend import WorkerClient, WorkerError
-from pdserve.frontend.batching import Batch, DeltaBatcher
 from pdserve.frontend.errors import APIError, internal, invalid, unavailable
-from pdserve.frontend.output import OutputDecoder, TokenLogprob
-from pdserve.frontend.params import worker_params
-from pdserve.frontend.workers import Route
+from pdserve.frontend.output import OutputDecoder, OutputDelta
+from pdserve.frontend.worker_client import WorkerClient, WorkerError
+from pdserve.frontend.workers import Route, WorkerPool
+from pdserve.worker_api import (DecodeTarget, FinishReason, GenerateRequest, PrefillRequest, Room, RoomLine,
+                                SamplingParams, TokenLine, TokenLogprob)
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Batch:
+    """Tokens of one choice sent in one event, with what they added to the message."""
+
+    delta: OutputDelta = field(default_factory=OutputDelta)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def add(self, token_id: int | None, delta: OutputDelta, logprob: TokenLogprob | None) -> None:
+        self.delta.extend(delta)  # in place: a non-streaming choice is one batch of every token
+        if token_id is not None:
+            self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+
+    def __bool__(self) -> bool:
+        return bool(self.delta) or bool(self.token_ids)
+
+
+class DeltaBatcher:
+    """Stream batching: up to N tokens of one choice per event. The first token of a choice
+    always goes out alone (time to first token is not traded away), then tokens are grouped N
+    at a time; the end of the choice flushes what is left. Tokens are decoded (parsed) one by
+    one before batching, so a batch is the concatenation of its tokens' deltas and the
+    aggregate is the same for every N."""
+
+    def __init__(self, size: int) -> None:
+        if size < 1:
+            raise ValueError("batch size must be >= 1")
+        self.size = size
+        self._batch = Batch()
+        self._sent_first = False
+
+    def add(self, token_id: int, delta: OutputDelta, logprob: TokenLogprob | None = None) -> Batch | None:
+        """Add one token's delta; return a batch when one is due."""
+        self._batch.add(token_id, delta, logprob)
+        if not self._sent_first or len(self._batch.token_ids) >= self.size:
+            self._sent_first = True
+            return self.take()
+        return None
+
+    def add_text(self, delta: OutputDelta) -> None:
+        """Text without a token (the decoder's final flush)."""
+        self._batch.add(None, delta, None)
+
+    def take(self) -> Batch:
+        batch, self._batch = self._batch, Batch()
+        return batch
 
 
 @dataclass
@@ -63,6 +121,8 @@ class Services:
 
 
 class ChoiceRun:
+    """One choice on its workers, from the /generate call to its last event."""
+
     def __init__(self, spec: ChoiceSpec, route: Route, decoder: OutputDecoder,
                  emit: Callable[[ChoiceEvent], None], services: Services, stream_batch: int = 1) -> None:
         self.spec = spec
@@ -157,73 +217,66 @@ class ChoiceRun:
 
     async def _stream(self) -> None:
         decode, prefill = self.route
-        body = {"request_id": self.rid, "prompt_ids": self.spec.prompt_ids,
-                "params": worker_params(self.spec.params),
-                "prefill_url": prefill.url if prefill is not None else None,
-                "prefill_worker_id": prefill.worker_id if prefill is not None else None}
+        body = GenerateRequest(request_id=self.rid, prompt_ids=self.spec.prompt_ids, params=self.spec.params,
+                               prefill_url=prefill.url if prefill is not None else None,
+                               prefill_worker_id=prefill.worker_id if prefill is not None else None)
         async with self.services.client.generate(decode.url, body) as lines:
-            async for msg in lines:
-                if "room" in msg:
-                    self._start_prefill(msg["room"])
-                elif self._on_tokens(msg):
+            async for line in lines:
+                if isinstance(line, RoomLine):
+                    self._start_prefill(line.room)
+                elif self._on_tokens(line):
                     return
         raise WorkerError(f"decode worker {decode.url} closed the stream before the request finished")
 
-    def _start_prefill(self, room: Any) -> None:
+    def _start_prefill(self, room: Room) -> None:
         prefill = self.route.prefill
         if prefill is None or self._prefill_task is not None:
             logger.warning("[%s] unexpected room line from %s; ignored", self.rid, self.route.decode.url)
             return
-        if not isinstance(room, dict) or not isinstance(room.get("blocks"), list):
-            raise WorkerError(f"decode worker {self.route.decode.url} sent a malformed room line")
-        body = {"request_id": self.rid, "prompt_ids": self.spec.prompt_ids,
-                "params": worker_params(self.spec.params),
-                "decode": {"worker_id": room.get("worker_id") or self.route.decode.worker_id,
-                           "decode_url": room.get("decode_url") or self.route.decode.url,
-                           "blocks": room["blocks"]}}
-        self._prefill_task = asyncio.create_task(self._prefill(prefill.url, body),
-                                                 name=f"prefill-{self.rid}")
+        body = PrefillRequest(request_id=self.rid, prompt_ids=self.spec.prompt_ids, params=self.spec.params,
+                              decode=DecodeTarget(worker_id=room.worker_id,
+                                                  decode_url=room.decode_url or self.route.decode.url,
+                                                  blocks=room.blocks))
+        self._prefill_task = asyncio.create_task(self._prefill(prefill.url, body), name=f"prefill-{self.rid}")
 
-    async def _prefill(self, url: str, body: dict[str, Any]) -> None:
+    async def _prefill(self, url: str, body: PrefillRequest) -> None:
         started = time.monotonic()
         try:
-            result = await self.services.client.prefill(url, body)
+            await self.services.client.prefill(url, body)
         except WorkerError as e:
-            logger.warning("[%s] prefill on %s failed: %s", self.rid, url, e.message)
-            self.fail(invalid(e.message) if e.status == 400 else unavailable(e.message))
-            return
-        if result.get("status") != "done":
-            why = result.get("error") or result.get("status") or "unknown error"
-            logger.warning("[%s] prefill on %s reported failure: %s", self.rid, url, why)
-            self.fail(internal(f"prefill failed: {why}"))
+            if e.code is not None and e.code.prefill_failure:
+                logger.warning("[%s] prefill on %s reported failure: %s", self.rid, url, e.message)
+                self.fail(internal(f"prefill failed: {e.message}"))
+            else:
+                logger.warning("[%s] prefill on %s failed: %s", self.rid, url, e.message)
+                self.fail(invalid(e.message) if e.status == 400 else unavailable(e.message))
             return
         self.prefill_seconds = time.monotonic() - started
         if self.route.prefill is not None:  # decoding no longer depends on the prefill worker
             self.route.prefill.inflight.discard(self)
         logger.debug("[%s] prefill done on %s in %.3f s", self.rid, url, self.prefill_seconds)
 
-    def _on_tokens(self, msg: dict[str, Any]) -> bool:
+    def _on_tokens(self, line: TokenLine) -> bool:
         """Feed one token line; True once the choice is over."""
-        ids = msg.get("token_ids") or []
-        logprobs = msg.get("logprobs") or []
-        for k, token_id in enumerate(ids):
-            logprob = TokenLogprob.from_wire(logprobs[k]) if k < len(logprobs) and logprobs[k] else None
+        logprobs = line.logprobs or []
+        for k, token_id in enumerate(line.token_ids):
+            logprob = logprobs[k] if k < len(logprobs) else None
             self.num_tokens += 1
-            batch = self.batcher.add(int(token_id), self.decoder.push(int(token_id)), logprob)
+            batch = self.batcher.add(token_id, self.decoder.push(token_id), logprob)
             if batch is not None:
                 self.emit(ChoiceEvent(self.spec.index, batch, num_tokens=self.num_tokens))
             if self.decoder.stopped:
                 logger.debug("[%s] stop string after %d tokens", self.rid, self.num_tokens)
                 self._finish("stop")
                 return True
-        reason = msg.get("finish_reason")
-        if reason in ("stop", "length"):
+        reason = line.finish_reason
+        if reason is not None and reason.normal:
             self._worker_finished = True
-            self._finish(reason)
+            self._finish(reason.value)
             return True
         if reason is not None:
-            why = msg.get("error") or f"the worker ended the request ({reason})"
-            raise (internal(str(why)) if reason == "error" else unavailable(str(why)))
+            why = line.error or f"the worker ended the request ({reason.value})"
+            raise (internal(why) if reason is FinishReason.ERROR else unavailable(why))
         return False
 
     def _finish(self, reason: str) -> None:
@@ -247,3 +300,42 @@ class ChoiceRun:
     async def _send_aborts(self, urls: list[str], origin: str) -> None:
         client, timeout = self.services.client, self.services.abort_timeout_s
         await asyncio.gather(*(client.abort(u, self.rid, timeout, origin) for u in urls))
+
+
+class Generation:
+    """One API request's choices, started together, their events merged into one queue."""
+
+    def __init__(self, specs: list[ChoiceSpec], make_decoder: Callable[[ChoiceSpec], OutputDecoder],
+                 pool: WorkerPool, services: Services, stream_batch: int = 1) -> None:
+        self.queue: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
+        self.runs: list[ChoiceRun] = []
+        try:
+            for spec in specs:
+                self.runs.append(ChoiceRun(spec, pool.pick(), make_decoder(spec), self.queue.put_nowait,
+                                           services, stream_batch))
+        except APIError:
+            self.cancel()
+            raise
+
+    def start(self) -> None:
+        for run in self.runs:
+            run.start()
+
+    async def events(self) -> AsyncIterator[ChoiceEvent]:
+        """Every choice's events in arrival order, until each choice has ended."""
+        left = len(self.runs)
+        while left:
+            ev = await self.queue.get()
+            left -= ev.last
+            yield ev
+
+    def cancel(self, origin: str = "client") -> None:
+        """Stop what still runs (idempotent; a no-op for choices that ended). `origin`: who
+        stopped it, for the abort metrics ("client": the client left)."""
+        for run in self.runs:
+            run.cancel(origin)
+
+    def fail(self, error: APIError, origin: str) -> None:
+        """End every choice still running with `error` (its client gets it)."""
+        for run in self.runs:
+            run.fail(error, origin)

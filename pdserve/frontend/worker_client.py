@@ -1,4 +1,5 @@
-"""HTTP calls from the router to workers (worker_api.md), on two shared httpx clients.
+"""The router's typed client of the worker contract (``pdserve.worker_api``), on two shared
+httpx clients: every body sent is a contract model, every answer read is parsed into one.
 
 ``streams`` carries /generate and /prefill: no read deadline (a long prompt may queue), a
 connect deadline, no connection cap. ``control`` carries /health, /load, /info and /abort with
@@ -7,25 +8,30 @@ Neither trusts proxy settings from the environment: workers are reached directly
 """
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeVar
 
 import httpx
+from pydantic import BaseModel, ValidationError
+
+from pdserve.worker_api import (AbortRequest, ErrorBody, ErrorCode, GenerateRequest, Health, Info, Load,
+                                PrefillRequest, StreamLine, parse_line)
 
 logger = logging.getLogger(__name__)
+M = TypeVar("M", bound=BaseModel)
 
 
 class WorkerError(Exception):
     """A worker could not serve one request (refused, unreachable, failed, or broke the protocol)."""
 
-    def __init__(self, message: str, status: int = 503) -> None:
+    def __init__(self, message: str, status: int = 503, code: ErrorCode | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
+        self.code = code    # the worker's own ErrorCode, when it answered with an ErrorBody
 
 
 @dataclass
@@ -39,19 +45,6 @@ class Probe:
     @property
     def ok(self) -> bool:
         return self.answered and self.status == "ok"
-
-
-@dataclass
-class WorkerLoad:
-    waiting: int = 0
-    running: int = 0
-    transferring: int = 0
-    free_blocks: int = 0
-    total_blocks: int = 0
-
-    @property
-    def queued(self) -> int:
-        return self.waiting + self.running + self.transferring
 
 
 class WorkerClient:
@@ -81,96 +74,83 @@ class WorkerClient:
         except httpx.HTTPError:
             return Probe(False, "unreachable")
         try:
-            body = r.json()
-        except ValueError:
-            body = {}
-        status = body.get("status") if isinstance(body, dict) else None
-        if r.status_code == 200:
-            return Probe(True, status or "ok", body.get("step"))
-        return Probe(True, status or f"http {r.status_code}")
+            health: Health | None = Health.model_validate_json(r.content)
+        except ValidationError:
+            health = None  # it answered, so it is alive; what it said is unknown
+        if health is not None:
+            return Probe(True, health.status.value, health.step)
+        return Probe(True, "ok" if r.status_code == 200 else f"http {r.status_code}")
 
-    async def load(self, url: str, timeout_s: float) -> WorkerLoad | None:
-        body = await self._get_json(url, "/load", timeout_s)
-        if body is None:
-            return None
-        fields = WorkerLoad.__dataclass_fields__
-        return WorkerLoad(**{k: int(v) for k, v in body.items() if k in fields})
+    async def load(self, url: str, timeout_s: float) -> Load | None:
+        return await self._get(url, "/load", Load, timeout_s)
 
-    async def info(self, url: str, timeout_s: float) -> dict[str, Any] | None:
-        return await self._get_json(url, "/info", timeout_s)
+    async def info(self, url: str, timeout_s: float) -> Info | None:
+        return await self._get(url, "/info", Info, timeout_s)
 
     async def abort(self, url: str, request_id: str, timeout_s: float, origin: str | None = None) -> bool:
         """POST /abort; idempotent on the worker, best effort here (a dead worker is fine).
         `origin` says who asked (a worker may count it; older ones ignore it)."""
-        body = {"request_id": request_id, **({"origin": origin} if origin else {})}
+        body = AbortRequest(request_id=request_id, **({"origin": origin} if origin else {}))
         try:
-            r = await self.control.post(f"{url}/abort", json=body,
+            r = await self.control.post(f"{url}/abort", json=body.wire(),
                                         headers={"X-Request-Id": request_id}, timeout=timeout_s)
             return r.status_code == 200
         except httpx.HTTPError as e:
             logger.info("[%s] abort on %s did not get through: %s", request_id, url, _describe(e))
             return False
 
-    async def _get_json(self, url: str, path: str, timeout_s: float) -> dict[str, Any] | None:
+    async def _get(self, url: str, path: str, model: type[M], timeout_s: float) -> M | None:
         try:
             r = await self.control.get(f"{url}{path}", timeout=timeout_s)
-            body = r.json() if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
+            return model.model_validate_json(r.content) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValidationError):
             return None
-        return body if isinstance(body, dict) else None
 
     # ---- requests -------------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def generate(self, url: str, body: dict[str, Any]) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
-        """POST /generate; yields the NDJSON lines as dicts. Errors become WorkerError."""
-        rid = body["request_id"]
+    async def generate(self, url: str, body: GenerateRequest) -> AsyncIterator[AsyncIterator[StreamLine]]:
+        """POST /generate; yields the stream's lines (``RoomLine``, ``TokenLine``). Errors
+        become WorkerError."""
         try:
-            async with self.streams.stream("POST", f"{url}/generate", json=body,
-                                           headers={"X-Request-Id": rid}) as resp:
+            async with self.streams.stream("POST", f"{url}/generate", json=body.wire(),
+                                           headers={"X-Request-Id": body.request_id}) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
-                    raise WorkerError(_error_message(resp), 400 if resp.status_code == 400 else 503)
-                yield _ndjson(resp, url)
+                    raise _refused(resp)
+                yield _lines(resp, url)
         except httpx.HTTPError as e:
             raise WorkerError(f"decode worker {url} failed: {_describe(e)}") from None
 
-    async def prefill(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
-        rid = body["request_id"]
+    async def prefill(self, url: str, body: PrefillRequest) -> None:
+        """POST /prefill; returns once the KV is in the decode worker's blocks. A failed
+        prefill (or a refused call) raises WorkerError with the worker's ErrorCode."""
         try:
-            r = await self.streams.post(f"{url}/prefill", json=body, headers={"X-Request-Id": rid})
+            r = await self.streams.post(f"{url}/prefill", json=body.wire(), headers={"X-Request-Id": body.request_id})
         except httpx.HTTPError as e:
             raise WorkerError(f"prefill worker {url} failed: {_describe(e)}") from None
         if r.status_code != 200:
-            raise WorkerError(_error_message(r), 400 if r.status_code == 400 else 503)
-        try:
-            return r.json()
-        except ValueError:
-            raise WorkerError(f"prefill worker {url} answered with invalid JSON") from None
+            raise _refused(r)
 
 
-async def _ndjson(resp: httpx.Response, url: str) -> AsyncIterator[dict[str, Any]]:
-    async for line in resp.aiter_lines():
-        if not line.strip():
+async def _lines(resp: httpx.Response, url: str) -> AsyncIterator[StreamLine]:
+    async for text in resp.aiter_lines():
+        if not text.strip():
             continue
         try:
-            msg = json.loads(line)
-        except ValueError:
-            raise WorkerError(f"worker {url} sent a line that is not JSON: {line[:80]!r}") from None
-        if not isinstance(msg, dict):
-            raise WorkerError(f"worker {url} sent a line that is not an object: {line[:80]!r}")
-        yield msg
+            yield parse_line(text)
+        except ValueError:  # pydantic's ValidationError is one
+            raise WorkerError(f"worker {url} sent a line that breaks the protocol: {text[:80]!r}") from None
 
 
-def _error_message(resp: httpx.Response) -> str:
+def _refused(resp: httpx.Response) -> WorkerError:
+    """A non-200 answer: its ErrorBody's message and code (an older or foreign answer: its status)."""
+    status = 400 if resp.status_code == 400 else 503
     try:
-        body = resp.json()
-    except ValueError:
-        return f"worker answered HTTP {resp.status_code}"
-    err = body.get("error") if isinstance(body, dict) else None
-    if isinstance(err, dict):
-        err = err.get("message")
-    return str(err) if err else f"worker answered HTTP {resp.status_code}"
+        err = ErrorBody.model_validate_json(resp.content).error
+    except ValidationError:
+        return WorkerError(f"worker answered HTTP {resp.status_code}", status)
+    return WorkerError(err.message, status, err.code)
 
 
 def _describe(e: Exception) -> str:

@@ -1,0 +1,129 @@
+// C ABI of libpdserve_cpu.so: picks the instruction set at run time (cpuid, or forced by the
+// caller) and splits the work over OpenMP threads. Compiled with baseline flags: no AVX
+// instruction may run here before the check. The caller passes the thread count (torch's), and
+// the library links the same libgomp torch loaded, so both share one pool of threads.
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include "qgemm.h"
+
+namespace pds_cpu {
+namespace {
+
+constexpr int64_t kRowsPerChunk = 16;   // output features per unit of work
+constexpr int64_t kActRowsPerPass = 64;  // activation rows kept hot in cache while N is swept
+
+bool has_avx2() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+bool has_avx512() {
+  __builtin_cpu_init();
+  return has_avx2() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+const Kernels* pick(int isa) {
+  switch (isa) {
+    case ISA_AUTO: return has_avx512() ? &kAvx512 : has_avx2() ? &kAvx2 : nullptr;
+    case ISA_AVX2: return has_avx2() ? &kAvx2 : nullptr;
+    case ISA_AVX512: return has_avx512() ? &kAvx512 : nullptr;
+    default: return nullptr;
+  }
+}
+
+}  // namespace
+}  // namespace pds_cpu
+
+using namespace pds_cpu;
+
+extern "C" {
+
+__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 3; }
+
+// The instruction set `isa` (0 auto) resolves to on this CPU: 1 AVX2, 2 AVX-512 VNNI, 0 none.
+__attribute__((visibility("default"))) int pds_cpu_isa(int isa) {
+  const Kernels* k = pick(isa);
+  return k == &kAvx512 ? ISA_AVX512 : k == &kAvx2 ? ISA_AVX2 : 0;
+}
+
+// y[M][N] = x[M][K] . dequant(w)[N][K]^T, x fp32 row-major, w N rows of K/32 GGUF blocks of
+// `fmt`, y fp32 row-major; `path` (Path) how activations enter. Returns 0, or 1 when the
+// instruction set is unavailable, 2 for bad arguments.
+__attribute__((visibility("default"))) int pds_cpu_qmatmul(int fmt, const float* x, int64_t M,
+                                                           int64_t K, const uint8_t* w, int64_t N,
+                                                           float* y, int isa, int threads, int path) {
+  const Kernels* k = pick(isa);
+  if (k == nullptr) return 1;
+  if (fmt < Q4_0 || fmt > Q8_0 || M < 0 || N < 0 || K <= 0 || K % QK || path < 0 || path > 2) return 2;
+  if (M == 0 || N == 0) return 0;
+  if (path != PATH_INT8 && M >= k->panel_min_rows) {
+    const int64_t panels = (N + NR - 1) / NR;
+    const int team = std::max(1, std::min<int>(threads, static_cast<int>(panels)));
+#pragma omp parallel num_threads(team)
+    {
+      std::vector<float> panel(K * NR);
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < panels; ++p) {
+        const int rows = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
+        k->gemm_f32(fmt, x, M, K, w, p * NR, rows, panel.data(), y, N);
+      }
+    }
+    return 0;
+  }
+  if (path != PATH_INT8) {
+    const int64_t chunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
+    const int team = std::max(1, std::min<int>(threads, static_cast<int>(chunks)));
+#pragma omp parallel for num_threads(team) schedule(static)
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t n0 = c * kRowsPerChunk, n1 = std::min(N, n0 + kRowsPerChunk);
+      k->gemm_dot(fmt, x, M, K, w, y, N, n0, n1);
+    }
+    return 0;
+  }
+  const int64_t nb = K / QK;
+  std::vector<int8_t> q(M * K);
+  std::vector<float> d(M * nb), s(M * nb);
+  const QuantAct act{q.data(), d.data(), s.data(), K};
+  const int64_t chunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
+  const int team = std::max(1, std::min<int>(threads, static_cast<int>(std::max(chunks, M))));
+#pragma omp parallel num_threads(team)
+  {
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < M; ++m)
+      k->quantize_row(x + m * K, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb);
+    for (int64_t m0 = 0; m0 < M; m0 += kActRowsPerPass) {
+      const int64_t m1 = std::min(M, m0 + kActRowsPerPass);
+#pragma omp for schedule(static)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t n0 = c * kRowsPerChunk, n1 = std::min(N, n0 + kRowsPerChunk);
+        k->gemm(fmt, act, w, y, N, m0, m1, n0, n1);
+      }
+    }
+  }
+  return 0;
+}
+
+// out[N][K] fp32 = the N rows of blocks w dequantized (prefill hands them to torch's GEMM).
+__attribute__((visibility("default"))) int pds_cpu_dequantize(int fmt, const uint8_t* w, int64_t N,
+                                                              int64_t K, float* out, int isa,
+                                                              int threads) {
+  const Kernels* k = pick(isa);
+  if (k == nullptr) return 1;
+  if (fmt < Q4_0 || fmt > Q8_0 || N < 0 || K <= 0 || K % QK) return 2;
+  const int64_t chunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
+  const int team = std::max(1, std::min<int>(threads, static_cast<int>(std::max<int64_t>(chunks, 1))));
+#pragma omp parallel for num_threads(team) schedule(static)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t n0 = c * kRowsPerChunk, n1 = std::min(N, n0 + kRowsPerChunk);
+    k->dequantize(fmt, w, K, n0, n1, out + n0 * K);
+  }
+  return 0;
+}
+
+}  // extern "C"

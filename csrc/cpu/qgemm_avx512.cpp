@@ -1,0 +1,207 @@
+// AVX-512 VNNI path: two blocks per 512-bit register. vpdpbusd multiplies u8 weights by s8
+// activations and sums groups of four into int32 lanes in one instruction (lanes 0-7 block b,
+// 8-15 block b+1), which are scaled in fp32 by a vector holding each block's d_w * d_a.
+// Q8_0 weights are signed: their absolute value goes in the u8 operand and their sign onto the
+// activation (|w| <= 128, |a| <= 127, so the product never overflows).
+#include <immintrin.h>
+
+#include "qgemm.h"
+#include "dequant_panel.h"
+#include "quantize_act.h"
+
+namespace pds_cpu {
+namespace {
+
+inline __m256i unpack_nibbles(const uint8_t* qs) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+template <int FMT>
+inline __m256i block_weights(const uint8_t* blk) {
+  if constexpr (FMT == Q4_0) return unpack_nibbles(blk + 2);
+  if constexpr (FMT == Q4_1) return unpack_nibbles(blk + 4);
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+}
+
+template <int FMT>
+inline float block_offset(const uint8_t* blk, float dw) {  // what multiplies d_a * sum(q_a)
+  if constexpr (FMT == Q4_0) return -8.0f * dw;
+  if constexpr (FMT == Q4_1) return half_to_float(blk + 2);
+  return 0.0f;
+}
+
+template <int FMT, int MR>
+void tile(const QuantAct& a, const uint8_t* wrow, int64_t nb, float* y, int64_t ldy, int64_t m) {
+  const int bpb = block_bytes(FMT);
+  __m512 acc[MR];
+  float off[MR];
+  for (int r = 0; r < MR; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    off[r] = 0.0f;
+  }
+  for (int64_t b = 0; b < nb; b += 2) {
+    const bool pair = b + 1 < nb;
+    const uint8_t* b0 = wrow + b * bpb;
+    const uint8_t* b1 = b0 + bpb;
+    const float d0 = half_to_float(b0), d1 = pair ? half_to_float(b1) : 0.0f;
+    const float o0 = block_offset<FMT>(b0, d0), o1 = pair ? block_offset<FMT>(b1, d1) : 0.0f;
+    const __m256i w1 = pair ? block_weights<FMT>(b1) : _mm256_setzero_si256();
+    __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(block_weights<FMT>(b0)), w1, 1);
+    __mmask64 neg = 0;
+    if constexpr (FMT == Q8_0) {
+      neg = _mm512_movepi8_mask(w);
+      w = _mm512_abs_epi8(w);
+    }
+    const __mmask64 lanes = pair ? ~__mmask64(0) : __mmask64(0xFFFFFFFFu);
+    for (int r = 0; r < MR; ++r) {
+      const int64_t row = (m + r) * (a.K / QK) + b;
+      __m512i av = _mm512_maskz_loadu_epi8(lanes, a.q + row * QK);
+      if constexpr (FMT == Q8_0) av = _mm512_mask_sub_epi8(av, neg, _mm512_setzero_si512(), av);
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, av);
+      const float da1 = pair ? a.d[row + 1] : 0.0f;
+      const __m512 scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(d0 * a.d[row]),
+                                                _mm512_set1_ps(d1 * da1));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc[r]);
+      if constexpr (FMT != Q8_0) off[r] += o0 * a.s[row] + (pair ? o1 * a.s[row + 1] : 0.0f);
+    }
+  }
+  for (int r = 0; r < MR; ++r) y[r * ldy] = _mm512_reduce_add_ps(acc[r]) + off[r];
+}
+
+template <int FMT>
+void gemm_fmt(const QuantAct& a, const uint8_t* w, float* y, int64_t ldy, int64_t m0, int64_t m1,
+              int64_t n0, int64_t n1) {
+  const int64_t nb = a.K / QK, row_bytes = nb * block_bytes(FMT);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wrow = w + n * row_bytes;
+    int64_t m = m0;
+    for (; m + 4 <= m1; m += 4) tile<FMT, 4>(a, wrow, nb, y + m * ldy + n, ldy, m);
+    switch (m1 - m) {
+      case 3: tile<FMT, 3>(a, wrow, nb, y + m * ldy + n, ldy, m); break;
+      case 2: tile<FMT, 2>(a, wrow, nb, y + m * ldy + n, ldy, m); break;
+      case 1: tile<FMT, 1>(a, wrow, nb, y + m * ldy + n, ldy, m); break;
+      default: break;
+    }
+  }
+}
+
+void gemm(int fmt, const QuantAct& a, const uint8_t* w, float* y, int64_t ldy, int64_t m0,
+          int64_t m1, int64_t n0, int64_t n1) {
+  switch (fmt) {
+    case Q4_0: gemm_fmt<Q4_0>(a, w, y, ldy, m0, m1, n0, n1); break;
+    case Q4_1: gemm_fmt<Q4_1>(a, w, y, ldy, m0, m1, n0, n1); break;
+    default: gemm_fmt<Q8_0>(a, w, y, ldy, m0, m1, n0, n1); break;
+  }
+}
+
+// fp32 path: MR activation rows x 16 output features in MR zmm accumulators; each k is one
+// panel load and MR FMAs with a broadcast activation.
+template <int MR>
+void f32_tile(const float* x, int64_t K, const float* panel, int rows, float* y, int64_t ldy) {
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    const __m512 p = _mm512_loadu_ps(panel + k * NR);
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(x[r * K + k]), p, acc[r]);
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << rows) - 1);
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy, valid, acc[r]);
+}
+
+void gemm_f32(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t n0, int rows,
+              float* panel, float* y, int64_t ldy) {
+  dequant_panel(fmt, w, K, n0, rows, panel);
+  y += n0;
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) f32_tile<8>(x + m * K, K, panel, rows, y + m * ldy, ldy);
+  const float* xm = x + m * K;
+  float* ym = y + m * ldy;
+  switch (M - m) {
+    case 7: f32_tile<7>(xm, K, panel, rows, ym, ldy); break;
+    case 6: f32_tile<6>(xm, K, panel, rows, ym, ldy); break;
+    case 5: f32_tile<5>(xm, K, panel, rows, ym, ldy); break;
+    case 4: f32_tile<4>(xm, K, panel, rows, ym, ldy); break;
+    case 3: f32_tile<3>(xm, K, panel, rows, ym, ldy); break;
+    case 2: f32_tile<2>(xm, K, panel, rows, ym, ldy); break;
+    case 1: f32_tile<1>(xm, K, panel, rows, ym, ldy); break;
+    default: break;
+  }
+}
+
+// fp32 dot path (decode, small M): each block's 32 weights dequantized in two zmm registers
+// (w = d*q + m as one FMA) and multiplied with the fp32 activations of MR rows; no activation
+// rounding, so the result is the reference's up to fp32 summation order.
+template <int FMT>
+inline void dequant_block(const uint8_t* blk, __m512& w0, __m512& w1) {
+  const __m512 d = _mm512_set1_ps(half_to_float(blk));
+  if constexpr (FMT == Q8_0) {
+    const __m128i* q = reinterpret_cast<const __m128i*>(blk + 2);
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
+  } else {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (FMT == Q4_1 ? 4 : 2)));
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+    if constexpr (FMT == Q4_1) {
+      const __m512 m = _mm512_set1_ps(half_to_float(blk + 2));
+      w0 = _mm512_fmadd_ps(lo, d, m);
+      w1 = _mm512_fmadd_ps(hi, d, m);
+    } else {  // (q - 8) * d: q - 8 is exact, so this rounds once, like the reference
+      w0 = _mm512_mul_ps(_mm512_sub_ps(lo, _mm512_set1_ps(8.0f)), d);
+      w1 = _mm512_mul_ps(_mm512_sub_ps(hi, _mm512_set1_ps(8.0f)), d);
+    }
+  }
+}
+
+template <int FMT, int MR>
+void dot_tile(const float* x, int64_t K, const uint8_t* wrow, float* y, int64_t ldy) {
+  const int bpb = block_bytes(FMT);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / QK; ++b) {
+    __m512 w0, w1;
+    dequant_block<FMT>(wrow + b * bpb, w0, w1);
+    for (int r = 0; r < MR; ++r) {
+      const float* xb = x + r * K + b * QK;
+      acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[r]);
+      acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) y[r * ldy] = _mm512_reduce_add_ps(acc[r]);
+}
+
+template <int FMT>
+void dot_fmt(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy, int64_t n0,
+             int64_t n1) {
+  const int64_t row_bytes = K / QK * block_bytes(FMT);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wrow = w + n * row_bytes;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) dot_tile<FMT, 4>(x + m * K, K, wrow, y + m * ldy + n, ldy);
+    switch (M - m) {
+      case 3: dot_tile<FMT, 3>(x + m * K, K, wrow, y + m * ldy + n, ldy); break;
+      case 2: dot_tile<FMT, 2>(x + m * K, K, wrow, y + m * ldy + n, ldy); break;
+      case 1: dot_tile<FMT, 1>(x + m * K, K, wrow, y + m * ldy + n, ldy); break;
+      default: break;
+    }
+  }
+}
+
+void gemm_dot(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy,
+              int64_t n0, int64_t n1) {
+  switch (fmt) {
+    case Q4_0: dot_fmt<Q4_0>(x, M, K, w, y, ldy, n0, n1); break;
+    case Q4_1: dot_fmt<Q4_1>(x, M, K, w, y, ldy, n0, n1); break;
+    default: dot_fmt<Q8_0>(x, M, K, w, y, ldy, n0, n1); break;
+  }
+}
+
+}  // namespace
+
+// fp32 panels from 16 rows: one dequantization shared by every row beats one per tile of 4
+const Kernels kAvx512 = {quantize_row_impl, gemm, gemm_f32, gemm_dot, dequant_rows, 16};
+
+}  // namespace pds_cpu

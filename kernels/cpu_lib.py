@@ -1,0 +1,205 @@
+"""Build, cache and load libpdserve_cpu.so (csrc/cpu/: quantized matmuls, AVX2 and AVX-512 VNNI).
+
+`make setup` builds it (`python -m pdserve_kernels.cpu_lib`); a process that finds no build for
+the current sources builds it on first use (seconds, the system C++ compiler, nothing fetched).
+The library is cached under a hash of the sources, the flags and the compiler's version:
+$PDSERVE_CACHE_DIR/cpu-kernels/<hash>/, else $XDG_CACHE_HOME/pdserve/..., else
+~/.cache/pdserve/.... When it cannot be built or loaded, `available()` is false with the
+reason, logged once, and callers use the torch reference.
+
+Flags are chosen per translation unit and never `-march=native`: the instruction set is picked
+at run time by cpuid (or forced with $PDSERVE_CPU_ISA = avx2 | avx512), so one build serves every
+x86-64 machine, and no AMX instruction is ever emitted (AMX faults in some VMs).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+LIB_NAME = "libpdserve_cpu.so"
+ABI_VERSION = 3
+SRC_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
+COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-DNDEBUG")
+UNIT_FLAGS: dict[str, tuple[str, ...]] = {
+    "dispatch.cpp": (),
+    "qgemm_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
+    "qgemm_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                         "-mavx512dq", "-mavx512vnni"),
+}
+ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
+ISA_NAMES = {1: "avx2", 2: "avx512"}
+PATHS = {"auto": 0, "int8": 1, "f32": 2}  # how activations enter (csrc/cpu/qgemm.h)
+_P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether the native CPU kernels run here; false with the reason when not."""
+
+    ok: bool
+    reason: str
+    isa: str = ""  # the instruction set "auto" resolves to: avx2 | avx512
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def cache_root() -> Path:
+    """pdserve's cache folder (the same rule as pdserve.weights.default_model.cache_dir)."""
+    if explicit := os.environ.get("PDSERVE_CACHE_DIR"):
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "pdserve"
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def build_key(cxx: str) -> str:
+    """Hash of every source, every flag and the compiler's version."""
+    digest = hashlib.sha256()
+    for path in sorted(SRC_DIR.glob("*.[ch]*")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for unit, flags in sorted(UNIT_FLAGS.items()):
+        digest.update(" ".join((unit, *COMMON_FLAGS, *flags)).encode())
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout
+    digest.update(version.encode())
+    return digest.hexdigest()[:16]
+
+
+def build(force: bool = False) -> Path:
+    """Compile the library into the cache (unless there already); returns its path."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise RuntimeError(f"the native CPU kernels are x86-64 only (this is {platform.machine()})")
+    if not SRC_DIR.is_dir():
+        raise RuntimeError(f"{SRC_DIR} not found (the kernels build from a source checkout)")
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++ or $CXX) found")
+    out = cache_root() / "cpu-kernels" / build_key(cxx) / LIB_NAME
+    if out.exists() and not force:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        objects = []
+        for unit, flags in UNIT_FLAGS.items():
+            obj = Path(tmp) / f"{unit}.o"
+            _run([cxx, *COMMON_FLAGS, *flags, "-c", str(SRC_DIR / unit), "-o", str(obj)])
+            objects.append(str(obj))
+        lib = Path(tmp) / LIB_NAME
+        _run([cxx, "-shared", "-fopenmp", *objects, "-o", str(lib)])
+        os.replace(lib, out)  # atomic: a racing process sees no library or a whole one
+    logger.info("built %s", out)
+    return out
+
+
+def _run(cmd: list[str]) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-4000:]}")
+
+
+@functools.lru_cache(maxsize=1)
+def _library() -> tuple[ctypes.CDLL | None, Availability]:
+    if os.environ.get("PDSERVE_CPU_KERNELS", "1") == "0":
+        return None, Availability(False, "disabled by PDSERVE_CPU_KERNELS=0")
+    try:
+        path = build()
+        lib = ctypes.CDLL(str(path))
+    except (RuntimeError, OSError) as exc:
+        return None, Availability(False, f"not built: {exc}")
+    lib.pds_cpu_abi_version.restype = _I
+    lib.pds_cpu_isa.restype, lib.pds_cpu_isa.argtypes = _I, [_I]
+    lib.pds_cpu_qmatmul.restype = _I
+    lib.pds_cpu_qmatmul.argtypes = [_I, _P, _I64, _I64, _P, _I64, _P, _I, _I, _I]
+    lib.pds_cpu_dequantize.restype = _I
+    lib.pds_cpu_dequantize.argtypes = [_I, _P, _I64, _I64, _P, _I, _I]
+    if lib.pds_cpu_abi_version() != ABI_VERSION:
+        return None, Availability(False, f"{path}: ABI {lib.pds_cpu_abi_version()}, need {ABI_VERSION}")
+    isa = lib.pds_cpu_isa(0)
+    if isa == 0:
+        return None, Availability(False, "the CPU lacks AVX2/FMA/F16C")
+    return lib, Availability(True, f"{path} ({ISA_NAMES[isa]})", ISA_NAMES[isa])
+
+
+def availability() -> Availability:
+    """Whether the library is built and usable on this CPU (built on first call if needed)."""
+    return _library()[1]
+
+
+def isa_supported(isa: str) -> bool:
+    """Whether the instruction set `isa` (avx2 | avx512) runs on this CPU."""
+    lib = _library()[0]
+    return lib is not None and lib.pds_cpu_isa(ISAS[isa]) == ISAS[isa]
+
+
+def default_isa() -> str:
+    """$PDSERVE_CPU_ISA (avx2 | avx512 | auto), forcing a path, e.g. for tests; default auto."""
+    isa = os.environ.get("PDSERVE_CPU_ISA", "auto")
+    if isa not in ISAS:
+        raise ValueError(f"PDSERVE_CPU_ISA={isa!r}; choose one of {sorted(ISAS)}")
+    return isa
+
+
+def qmatmul(fmt: int, x: torch.Tensor, blocks: torch.Tensor, n: int, k: int,
+            isa: str | None = None, threads: int | None = None, path: str = "auto") -> torch.Tensor:
+    """y[M, n] = x[M, k] @ W^T with W the `n` rows of GGUF blocks `blocks` (format code `fmt`).
+
+    `path`: f32 (fp32 activations; weights dequantized in registers, or in panels of 16 rows
+    for many rows on AVX-512) or int8 (activations quantized per block of 32, integer dot
+    products); auto is f32.
+    """
+    lib = _loaded()
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    status = lib.pds_cpu_qmatmul(fmt, x.data_ptr(), x.shape[0], k, blocks.data_ptr(), n,
+                                 y.data_ptr(), ISAS[isa or default_isa()],
+                                 threads or torch.get_num_threads(), PATHS[path])
+    if status:
+        raise RuntimeError(f"pds_cpu_qmatmul: {'instruction set unavailable' if status == 1 else 'bad arguments'} "
+                           f"(isa {isa or default_isa()}, fmt {fmt}, M {x.shape[0]}, K {k}, N {n})")
+    return y
+
+
+def dequantize(fmt: int, blocks: torch.Tensor, n: int, k: int, isa: str | None = None,
+               threads: int | None = None) -> torch.Tensor:
+    """fp32 [n, k]: the `n` rows of GGUF blocks `blocks` (format code `fmt`) dequantized."""
+    lib = _loaded()
+    out = torch.empty(n, k, dtype=torch.float32)
+    status = lib.pds_cpu_dequantize(fmt, blocks.data_ptr(), n, k, out.data_ptr(), ISAS[isa or default_isa()],
+                                    threads or torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"pds_cpu_dequantize: status {status} (fmt {fmt}, N {n}, K {k})")
+    return out
+
+
+def _loaded() -> ctypes.CDLL:
+    lib = _library()[0]
+    if lib is None:
+        raise RuntimeError(f"native CPU kernels unavailable: {availability().reason}")
+    return lib
+
+
+if __name__ == "__main__":  # `make setup`: build now, say where and for which CPU path
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        print(f"pdserve CPU kernels: {build(force='--force' in sys.argv)}")
+    except RuntimeError as exc:  # the torch reference still runs; say why, do not fail setup
+        print(f"pdserve CPU kernels not built ({exc}); the torch reference will be used")
+        sys.exit(0)
+    print(f"pdserve CPU kernels: {availability().reason}")

@@ -1,0 +1,330 @@
+"""One API request's life: the OpenAI body → prompt → one ``ChoiceSpec`` per choice → the
+choices' events → a JSON body or an SSE stream; abort and failure in one place.
+
+* Chat: messages through the model's prompt format (``prompts``), the request's tool policy
+  (``tools``) for the prompt and each choice's output parser (``output``), × n choices.
+* Completions: prompts (text or ids, one or many) × n choices, plain text out.
+* Sampling: the OpenAI fields become one ``SamplingParams`` per choice (with a seed, choice i
+  gets seed + i), after the context-length check.
+* Answer: non-streaming waits for every choice (or the first error, answered with its status)
+  while watching for the client to go away; streaming sends the opening chunks, one chunk per
+  event, the usage chunk if asked, ``[DONE]``; an error mid-stream is sent as an error event and
+  the stream closed. Either way, leaving early cancels the generation, which aborts the rooms.
+
+Each call is registered in ``Calls`` from its start to its end, so the router's drain can wait
+for it or stop it (``CallTracker.stop``), and is counted in the router's metrics. The handlers
+get a ``Serving`` (what answering needs), never the router object itself.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable, Iterator
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pdserve.frontend.choices import ChoiceEvent, ChoiceSpec, Generation, Services
+from pdserve.frontend.config import RouterConfig
+from pdserve.frontend.errors import RETRY_AFTER_S, APIError, context_too_long, invalid, model_not_found, unavailable
+from pdserve.frontend.output import ChatOutput, OutputDecoder, completion_decoder
+from pdserve.frontend.prompts import PromptBuilder
+from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
+from pdserve.frontend.render import DONE, ChatRenderer, CompletionRenderer, SSEResponse, error_event, event
+from pdserve.frontend.tools import ToolPolicy
+from pdserve.frontend.workers import WorkerPool
+from pdserve.metrics import RouterMetrics
+from pdserve.tokenizer import Tokenizer
+from pdserve.worker_api import SamplingParams
+
+logger = logging.getLogger(__name__)
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the request"
+SEED_MODULUS = 2**63  # torch generators take non-negative 64-bit seeds; keep clear of the sign bit
+Renderer = ChatRenderer | CompletionRenderer
+
+
+@dataclass
+class Call:
+    """One API call as the handlers see it."""
+
+    endpoint: str        # the path, e.g. /v1/chat/completions (the metrics' label)
+    request_id: str      # the X-Request-Id answered with
+    room_base: str       # the workers' id for it (per choice: <room_base>-<i>)
+    http: Request
+    arrival: float
+
+
+@dataclass
+class Calls:
+    """The router's calls in flight, as its drain sees them."""
+
+    active: int = 0          # /v1 requests being handled (the middleware counts)
+    draining: bool = False   # new requests get 503; those in flight go on
+    closing: bool = False    # the drain timeout passed: what is left is stopped
+    running: set[CallTracker] = field(default_factory=set)  # generations under way
+
+    def __len__(self) -> int:
+        return len(self.running)
+
+    def __iter__(self) -> Iterator[CallTracker]:
+        return iter(list(self.running))
+
+
+@dataclass
+class Serving:
+    """What answering a request needs from the router process."""
+
+    config: RouterConfig
+    tokenizer: Tokenizer
+    prompts: PromptBuilder
+    output: ChatOutput          # the model's chat output grammar
+    pool: WorkerPool
+    services: Services          # what each choice needs (worker client, background tasks)
+    metrics: RouterMetrics
+    calls: Calls
+    model_context: int          # the model's own context length, until a worker reports one
+
+    def check_model(self, name: str | None) -> str:
+        """The served name for a request's "model" (None means the served model); else 404."""
+        if name is None or name in self.config.model_names:
+            return self.config.served_model_name
+        raise model_not_found(name)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len or self.pool.max_model_len or self.model_context
+
+
+# ---- the two endpoints --------------------------------------------------------------------------
+
+
+async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: Call) -> Response:
+    model = s.check_model(req.model)
+    policy = ToolPolicy.of(req)
+    prompt = await s.prompts.chat(req, policy.prompt_tools, s.output.prompt_style)
+    max_tokens = resolve_max_tokens(req.output_limit, len(prompt.ids), s.max_model_len, "messages")
+    params = sampling_params(req, max_tokens, req.top_n, s.tokenizer.vocab_size)
+    rooms = room_ids(call.room_base, req.n)
+    specs = [ChoiceSpec(i, rooms[i], prompt.ids, p) for i, p in enumerate(expand_choices(params, req.n))]
+    stop, stop_ids = req.stop_list(), req.stop_token_ids or []
+    renderer = ChatRenderer(f"chatcmpl-{call.request_id}", model, len(specs), len(prompt.ids),
+                            s.tokenizer, include_usage=req.include_usage, top_logprobs=req.top_n)
+    return await respond(s, call, specs,
+                         lambda spec: s.output.decoder(spec.prompt_ids, stop, policy, stop_ids),
+                         renderer, req.stream)
+
+
+async def create_completion(s: Serving, req: CompletionRequest, call: Call) -> Response:
+    model = s.check_model(req.model)
+    if req.echo and req.logprobs is not None:
+        raise invalid("echo together with logprobs is not supported (prompt logprobs are not computed)",
+                      "echo")
+    prompts = await s.prompts.completion(req)
+    max_len = s.max_model_len
+    rooms = room_ids(call.room_base, len(prompts) * req.n)
+    specs: list[ChoiceSpec] = []
+    echo: list[str] = []
+    for p, prompt in enumerate(prompts):
+        max_tokens = resolve_max_tokens(req.max_tokens, len(prompt.ids), max_len, "prompt")
+        params = sampling_params(req, max_tokens, req.logprobs, s.tokenizer.vocab_size)
+        for k, choice_params in enumerate(expand_choices(params, req.n)):
+            index = p * req.n + k
+            specs.append(ChoiceSpec(index, rooms[index], prompt.ids, choice_params))
+            echo.append(prompt.text)
+    stop = req.stop_list()
+    renderer = CompletionRenderer(
+        f"cmpl-{call.request_id}", model, len(specs), sum(len(p.ids) for p in prompts), s.tokenizer,
+        include_usage=req.include_usage, echo=echo if req.echo else None, logprobs=req.logprobs)
+    return await respond(s, call, specs, lambda _: completion_decoder(s.tokenizer, stop), renderer, req.stream)
+
+
+def room_ids(base: str, count: int) -> list[str]:
+    return [base] if count == 1 else [f"{base}-{i}" for i in range(count)]
+
+
+# ---- sampling settings --------------------------------------------------------------------------
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, param: str) -> int:
+    """The output budget: as requested if prompt + output fit the context, else 400 with numbers.
+
+    With no request (chat's default) the budget is whatever the context leaves.
+    """
+    if prompt_len >= max_model_len:
+        raise context_too_long(max_model_len, prompt_len, requested, param)
+    if requested is None:
+        return max_model_len - prompt_len
+    if prompt_len + requested > max_model_len:
+        raise context_too_long(max_model_len, prompt_len, requested, param)
+    return requested
+
+
+def sampling_params(req: GenerationFields, max_tokens: int, logprobs: int | None,
+                    vocab_size: int) -> SamplingParams:
+    """The request's sampling settings, checked; seeds are normalised, not yet per choice."""
+    bias = {int(k): float(v) for k, v in (req.logit_bias or {}).items()}
+    bad = [t for t in bias if not 0 <= t < vocab_size]
+    if bad:
+        raise invalid(f"logit_bias names token id {bad[0]}, outside the vocabulary [0, {vocab_size})",
+                      "logit_bias")
+    stop_ids = list(req.stop_token_ids or [])
+    if any(not 0 <= t < vocab_size for t in stop_ids):
+        raise invalid(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    params = SamplingParams(
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=max(req.top_k or 0, 0),
+        min_p=req.min_p or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=bias,
+        seed=None if req.seed is None else req.seed % SEED_MODULUS,
+        max_tokens=max_tokens,
+        min_tokens=req.min_tokens,
+        ignore_eos=req.ignore_eos,
+        stop_token_ids=stop_ids,
+        stop=req.stop_list(),
+        logprobs=logprobs,
+    )
+    try:
+        params.validate()
+    except ValueError as e:
+        name = str(e).split(" ", 1)[0]
+        raise invalid(str(e), name if hasattr(params, name) else None) from None
+    return params
+
+
+def expand_choices(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n copies; with a seed, choice i gets seed + i so the choices differ yet reproduce."""
+    if params.seed is None:
+        return [dataclasses.replace(params) for _ in range(n)]
+    return [dataclasses.replace(params, seed=(params.seed + i) % SEED_MODULUS) for i in range(n)]
+
+
+# ---- the answer ---------------------------------------------------------------------------------
+
+
+async def respond(s: Serving, call: Call, specs: list[ChoiceSpec],
+                  make_decoder: Callable[[ChoiceSpec], OutputDecoder], renderer: Renderer, stream: bool) -> Response:
+    if s.calls.closing:  # the drain timeout passed while this request was being read
+        raise unavailable("The server is shutting down; retry the request.")
+    batch = s.config.stream_batch if stream else 1 << 30
+    gen = Generation(specs, make_decoder, s.pool, s.services, batch)  # 503 before start
+    logger.info("[%s] %s: %d choice(s), %d prompt tokens, stream=%s, workers %s", call.request_id,
+                call.endpoint, len(specs), renderer.prompt_tokens, stream,
+                ", ".join(sorted({r.route.decode.url for r in gen.runs})))
+    gen.start()
+    tracker = CallTracker(s.calls, s.metrics, call, renderer, gen)
+    if stream:
+        return SSEResponse(_stream(gen, renderer, tracker), on_close=tracker.finish)
+    return await _collect(gen, renderer, tracker, call.http)
+
+
+async def _stream(gen: Generation, renderer: Renderer, tracker: CallTracker) -> AsyncGenerator[str, None]:
+    """The SSE body. Its end, however it comes, is handled by `tracker.finish` (the response
+    calls it even when the client left before the first byte and this never ran)."""
+    for chunk in renderer.opening():
+        yield event(chunk)
+    async for ev in gen.events():
+        tracker.saw(ev)
+        if ev.error is not None:
+            tracker.status = ev.error.status
+            yield error_event(ev.error)
+            return
+        for chunk in renderer.absorb(ev):
+            yield event(chunk)
+    if renderer.include_usage:
+        yield event(renderer.usage_chunk())
+    yield DONE
+    tracker.status = 200
+
+
+async def _collect(gen: Generation, renderer: Renderer, tracker: CallTracker, http: Request) -> Response:
+    async def run() -> APIError | None:
+        async for ev in gen.events():
+            tracker.saw(ev)
+            if ev.error is not None:
+                return ev.error
+            renderer.absorb(ev)
+        return None
+
+    work = asyncio.create_task(run())
+    gone = asyncio.create_task(_disconnected(http))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            logger.info("[%s] client went away; aborting", tracker.call.request_id)
+            return Response(status_code=CLIENT_CLOSED)
+        error = work.result()
+        if error is not None:
+            tracker.status = error.status
+            retry = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
+            return JSONResponse(error.body(), status_code=error.status, headers=retry)
+        tracker.status = 200
+        return JSONResponse(renderer.response())
+    finally:
+        work.cancel()
+        gone.cancel()
+        tracker.finish()
+
+
+async def _disconnected(http: Request) -> None:
+    """Returns when the client closes the connection (the body has been read already)."""
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class CallTracker:
+    """One call from its start to its end: stop what still runs, count it, log it (once)."""
+
+    def __init__(self, calls: Calls, metrics: RouterMetrics, call: Call, renderer: Renderer,
+                 gen: Generation) -> None:
+        self.calls = calls
+        self.call = call
+        self.renderer = renderer
+        self.gen = gen
+        self.status = CLIENT_CLOSED  # until the call ends otherwise
+        self.stopped = False         # ended by the router's drain
+        self.first_token: float | None = None
+        self.timer = metrics.start_request(renderer.prompt_tokens, call.arrival)
+        self._finished = False
+        calls.running.add(self)
+
+    def saw(self, ev: ChoiceEvent) -> None:
+        if ev.batch is not None and ev.batch.token_ids:
+            if self.first_token is None:
+                self.first_token = time.monotonic()
+            self.timer.tokens(len(ev.batch.token_ids), ev.index)
+
+    def stop(self, error: APIError) -> None:
+        """The router drains and time is up: every choice still running ends with `error`."""
+        self.stopped = True
+        self.gen.fail(error, "drain")
+
+    def finish(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self.calls.running.discard(self)
+        # A no-op for choices that ended; aborts the rooms of the others.
+        self.gen.cancel("client" if self.status == CLIENT_CLOSED else "router")
+        self.timer.finish(self._reason())
+        elapsed = time.monotonic() - self.call.arrival
+        ttft = f"{self.first_token - self.call.arrival:.3f}s" if self.first_token else "-"
+        logger.info("[%s] %s done: status %d, %d completion tokens, ttft %s, e2e %.3fs",
+                    self.call.request_id, self.call.endpoint, self.status, self.renderer.completion_tokens,
+                    ttft, elapsed)
+
+    def _reason(self) -> str:
+        """The call's finish reason for the metrics: the choices' as the client saw them (the
+        strongest when they differ), "abort" when the client left or the drain stopped it."""
+        if self.status == 200:
+            reasons = {c.finish_reason for c in self.renderer.choices}
+            return next((r for r in ("tool_calls", "length") if r in reasons), "stop")
+        return "abort" if self.status == CLIENT_CLOSED or self.stopped else "error"

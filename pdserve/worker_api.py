@@ -1,0 +1,335 @@
+"""The router ↔ worker contract: every message of the workers' internal HTTP API, typed once.
+
+The router builds its requests from these models and reads the workers' answers with them;
+the worker's HTTP server (``pdserve.worker.server``) validates the same models and answers
+with them; the tests' worker client does too. ``pdserve/worker/API.md`` describes the same
+messages for people, and ``tests/test_worker_api.py`` checks it names every field here.
+
+Why a top-level module and not ``pdserve/worker/api.py``: importing anything under
+``pdserve.worker`` runs that package's ``__init__``, and the package belongs to the worker
+process (its modules load torch and the engine). The router process must import the contract
+without any of that, so the contract lives beside the packages and imports nothing of pdserve:
+only pydantic. ``SamplingParams`` is defined here for the same reason (it is the ``params`` of
+/generate and /prefill); the engine re-exports it from ``pdserve.engine.sampling_params``.
+
+One request, PD (a colocated "both" worker skips the /prefill leg):
+
+1. router → decode ``POST /generate`` (``GenerateRequest``); the answer streams NDJSON lines.
+2. decode → router: a ``RoomLine`` once the room's KV blocks are allocated.
+3. router → prefill ``POST /prefill`` (``PrefillRequest``, with the room's blocks); prefill
+   writes the KV (and the first token) into those blocks and answers ``PrefillDone`` — or an
+   error status with an ``ErrorBody`` (``ErrorCode`` says which failure).
+4. decode → router: ``TokenLine``s; the last one has ``finish_reason`` set.
+5. Either side, any time, any number of times: ``POST /abort`` (``AbortRequest``).
+"""
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field
+from typing import Annotated, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+NDJSON = "application/x-ndjson"
+RETRY_AFTER_S = 5  # a draining worker's 503 says when to retry
+
+
+# ---- sampling -------------------------------------------------------------------------------
+
+
+@dataclass
+class SamplingParams:
+    """OpenAI-style sampling and stopping settings. `temperature == 0` means greedy.
+
+    On the wire (``GenerateRequest.params``) every field but ``stop`` travels: stop *strings*
+    are the router's (it detokenizes, cuts the text, and aborts the request on the workers).
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # stop strings, matched on detokenized text
+    logprobs: int | None = None  # None: no logprobs; N: the sampled token's plus the top N
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field."""
+        if self.temperature < 0:
+            raise ValueError("temperature must be >= 0")
+        if not 0 < self.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if self.top_k < 0:
+            raise ValueError("top_k must be >= 0 (0 disables it)")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError("min_p must be in [0, 1]")
+        if self.repetition_penalty <= 0:
+            raise ValueError("repetition_penalty must be > 0")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise ValueError("min_tokens must be in [0, max_tokens]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError("logprobs must be in [0, 20]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+class _Message(BaseModel):
+    """Unknown fields are ignored both ways, so either side may add one before the other reads it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    def wire(self) -> dict:
+        """The JSON-ready body (what goes into ``httpx``'s ``json=``)."""
+        return self.model_dump(mode="json", exclude=_NO_STOP if "params" in type(self).model_fields else None)
+
+
+_NO_STOP = {"params": {"stop"}}
+RequestId = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+# ---- enums ----------------------------------------------------------------------------------
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    BOTH = "both"     # colocated: prefill and decode in one worker, no KV transfer
+
+
+class FinishReason(str, enum.Enum):
+    """How a request ended on a decode (or colocated) worker: the last ``TokenLine``."""
+
+    STOP = "stop"      # an EOS or stop token
+    LENGTH = "length"  # max_tokens (or the context) reached
+    ABORT = "abort"    # aborted: by /abort, by a closed stream, or a transfer that was given up
+    ERROR = "error"    # the request failed on the worker (``TokenLine.error`` says why)
+
+    @property
+    def normal(self) -> bool:
+        """The model finished: nothing is left to abort."""
+        return self in (FinishReason.STOP, FinishReason.LENGTH)
+
+
+class HealthStatus(str, enum.Enum):
+    OK = "ok"
+    DRAINING = "draining"  # shutting down: no new requests, those in flight go on
+    WEDGED = "wedged"      # no loop step for --health-stall-timeout seconds
+    FAILED = "failed"      # the loop died
+
+
+class ErrorCode(str, enum.Enum):
+    """Why a call failed; each code has one HTTP status (``ErrorCode.status``)."""
+
+    BAD_REQUEST = "bad_request"                # the body is malformed or its values invalid
+    NOT_SERVED = "not_served"                  # this worker's role does not serve the path
+    DRAINING = "draining"                      # shutting down (Retry-After)
+    PREFILL_FAILED = "prefill_failed"          # the prefill or its KV transfer failed
+    DECODE_UNREACHABLE = "decode_unreachable"  # /prefill could not reach the decode worker
+    ABORTED = "aborted"                        # the request was aborted while /prefill ran
+
+    @property
+    def status(self) -> int:
+        return _STATUS[self]
+
+    @property
+    def prefill_failure(self) -> bool:
+        """The prefill itself failed (as opposed to the call being refused)."""
+        return self in (ErrorCode.PREFILL_FAILED, ErrorCode.DECODE_UNREACHABLE, ErrorCode.ABORTED)
+
+
+_STATUS = {ErrorCode.BAD_REQUEST: 400, ErrorCode.NOT_SERVED: 404, ErrorCode.DRAINING: 503,
+           ErrorCode.PREFILL_FAILED: 500, ErrorCode.DECODE_UNREACHABLE: 502, ErrorCode.ABORTED: 409}
+
+
+# ---- errors ---------------------------------------------------------------------------------
+
+
+class ErrorDetail(_Message):
+    message: str
+    type: str          # "invalid_request_error" (4xx) | "server_error" (5xx), as OpenAI's
+    code: ErrorCode
+
+
+class ErrorBody(_Message):
+    """Every non-2xx answer of a worker: ``{"error": {"message", "type", "code"}}``."""
+
+    error: ErrorDetail
+
+    @classmethod
+    def of(cls, code: ErrorCode, message: str) -> ErrorBody:
+        kind = "server_error" if code.status >= 500 else "invalid_request_error"
+        return cls(error=ErrorDetail(message=message, type=kind, code=code))
+
+
+# ---- /generate ------------------------------------------------------------------------------
+
+
+class GenerateRequest(_Message):
+    """POST /generate (roles decode and both)."""
+
+    request_id: RequestId            # the room id: unique per choice, chosen by the router
+    prompt_ids: list[int] = Field(min_length=1)
+    params: SamplingParams = Field(default_factory=SamplingParams)
+    prefill_url: str | None = None         # decode role: the prefill worker the router will call
+    prefill_worker_id: str | None = None   # decode role (required): its /info worker_id
+
+
+class Room(_Message):
+    request_id: str
+    blocks: list[int]          # the decode worker's KV blocks the prefill worker writes into
+    worker_id: str             # the decode worker's id (its /bootstrap)
+    decode_url: str | None = None  # where prefill finds /bootstrap; None: the URL the router used
+
+
+class RoomLine(_Message):
+    """The first line of a PD /generate stream: the room's blocks are allocated."""
+
+    room: Room
+
+
+class TokenLogprob(_Message):
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = Field(default_factory=list)
+
+
+class TokenLine(_Message):
+    """Tokens of one step; the last line of the stream has ``finish_reason`` set."""
+
+    token_ids: list[int] = Field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+StreamLine = Union[RoomLine, TokenLine]
+
+
+def parse_line(text: str) -> StreamLine:
+    """One NDJSON line of a /generate stream; ValueError (pydantic's is one) when it is neither."""
+    obj = json.loads(text)
+    if not isinstance(obj, dict):
+        raise ValueError(f"not a JSON object: {text[:80]!r}")
+    return RoomLine.model_validate(obj) if "room" in obj else TokenLine.model_validate(obj)
+
+
+def line(message: StreamLine) -> bytes:
+    return (json.dumps(message.wire()) + "\n").encode()
+
+
+# ---- /prefill -------------------------------------------------------------------------------
+
+
+class DecodeTarget(_Message):
+    worker_id: str
+    decode_url: str
+    blocks: list[int]
+
+
+class PrefillRequest(_Message):
+    """POST /prefill (role prefill): prefill, then write the KV into ``decode.blocks``."""
+
+    request_id: RequestId
+    prompt_ids: list[int] = Field(min_length=1)
+    params: SamplingParams = Field(default_factory=SamplingParams)
+    decode: DecodeTarget
+
+
+class PrefillDone(_Message):
+    """200 from /prefill: the KV (and the first token) are in the decode worker's blocks.
+    A failure is an error status with an ``ErrorBody`` instead."""
+
+    status: str = "done"
+
+
+# ---- /abort ---------------------------------------------------------------------------------
+
+
+class AbortRequest(_Message):
+    request_id: RequestId
+    origin: str = "router"  # who asked: one of pdserve.metrics.ABORT_ORIGINS
+
+
+class AbortResult(_Message):
+    ok: bool = True
+    aborted: bool  # it ran here and this call counted its abort
+
+
+# ---- probes ---------------------------------------------------------------------------------
+
+
+class Health(_Message):
+    """GET /health: 200 when ``status`` is ok, else 503 with the same shape."""
+
+    status: HealthStatus
+    role: Role
+    step: int
+    seconds_since_step: float
+
+
+class Info(_Message):
+    """GET /info."""
+
+    role: Role
+    worker_id: str
+    model: str              # the served model name
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    tp: int
+    eos_token_ids: list[int]
+
+
+class Load(_Message):
+    """GET /load."""
+
+    waiting: int = 0
+    running: int = 0
+    transferring: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+    in_flight: int = 0      # requests whose HTTP call is open here
+    rooms_live: int = 0     # transfer rooms not yet terminal
+
+    @property
+    def queued(self) -> int:
+        return self.waiting + self.running + self.transferring
+
+
+class Bootstrap(_Message):
+    """GET /bootstrap (decode role): one opaque transfer bootstrap blob per TP rank."""
+
+    worker_id: str
+    ranks: list[str]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    method: str
+    path: str
+    request: type[BaseModel] | None
+    answers: tuple[type[BaseModel], ...]
+
+
+ENDPOINTS = (
+    Endpoint("GET", "/health", None, (Health,)),
+    Endpoint("GET", "/info", None, (Info,)),
+    Endpoint("GET", "/load", None, (Load,)),
+    Endpoint("GET", "/bootstrap", None, (Bootstrap,)),
+    Endpoint("POST", "/generate", GenerateRequest, (RoomLine, Room, TokenLine, TokenLogprob)),
+    Endpoint("POST", "/prefill", PrefillRequest, (DecodeTarget, PrefillDone)),
+    Endpoint("POST", "/abort", AbortRequest, (AbortResult,)),
+)

@@ -1,0 +1,72 @@
+"""Threads per process: the cores are divided, never oversubscribed; --threads overrides."""
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+import torch
+
+from pdserve.engine.threads import apply_threads, cpu_cores, default_threads, serve_threads, split_threads
+
+
+def test_a_worker_alone_uses_every_core_split_between_its_ranks():
+    assert split_threads(8, 1).per_process == 8
+    assert split_threads(8, 2).per_process == 4
+    assert split_threads(8, 3).per_process == 2  # 6 of 8: never more than the cores
+
+
+def test_serve_divides_the_cores_between_its_workers():
+    assert serve_threads("pd", tp=1, cores=2).per_process == 1        # prefill 1 + decode 1
+    assert serve_threads("colocated", tp=1, cores=2).per_process == 2
+    assert serve_threads("pd", tp=1, cores=16).per_process == 8
+    assert serve_threads("pd", tp=2, cores=16).per_process == 4       # 4 rank processes
+    assert serve_threads("colocated", tp=2, cores=2).per_process == 1
+
+
+def test_more_processes_than_cores_get_one_thread_each():
+    plan = serve_threads("pd", tp=2, cores=2)
+    assert plan.per_process == 1 and plan.processes == 4
+
+
+def test_apply_threads_sets_torch():
+    before = torch.get_num_threads()
+    try:
+        apply_threads(1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_command_line_default_is_the_cores_share_and_an_explicit_count_wins():
+    from pdserve.cli import build_parser, engine_config
+
+    assert default_threads(1) == cpu_cores() == len(os.sched_getaffinity(0))
+    alone = build_parser().parse_args(["generate", "hi"])
+    assert engine_config(alone).threads == cpu_cores()
+    ranks = build_parser().parse_args(["worker", "--tp", "2"])
+    assert engine_config(ranks).threads == max(1, cpu_cores() // 2)
+    given = build_parser().parse_args(["worker", "--tp", "2", "--threads", "3"])
+    assert engine_config(given).threads == 3
+
+
+def test_a_library_user_without_a_count_keeps_torch_setting():
+    from pdserve.engine.config import EngineConfig
+
+    assert EngineConfig().threads == 0  # LLMEngine leaves torch.set_num_threads alone for 0
+
+
+def test_serve_fills_in_threads_only_when_not_given():
+    from pdserve.launcher import plan_threads
+
+    auto = argparse.Namespace(mode="pd", tp=None, threads=None)
+    plan_threads(auto)
+    assert auto.threads == max(1, cpu_cores() // 2)
+    given = argparse.Namespace(mode="pd", tp=None, threads=3)
+    plan_threads(given)
+    assert given.threads == 3
+
+
+def test_an_impossible_split_is_refused():
+    with pytest.raises(ValueError, match="need at least one core and one process"):
+        split_threads(0, 1)
