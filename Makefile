@@ -24,7 +24,7 @@ $(STAMP): setup.py
 # compiler, cached in ~/.cache/pdserve/cpu-kernels by a hash of sources + flags + compiler. A
 # machine that cannot build them still sets up: the torch reference runs (logged).
 $(CPU_KERNELS): $(STAMP) $(wildcard csrc/cpu/*) kernels/cpu_lib.py
-	$(PY) -m pdserve_kernels.cpu_lib
+	$(PY) -W ignore::RuntimeWarning -m pdserve_kernels.cpu_lib  # runpy warns: the package imports it
 	touch $(CPU_KERNELS)
 
 serve: setup

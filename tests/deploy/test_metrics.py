@@ -28,6 +28,8 @@ EXPECTED = {
     "prompt_tokens": "counter", "generation_tokens": "counter", "request_success": "counter",
     "rooms": "counter", "kv_transfer_seconds": "histogram", "kv_transfer_bytes": "counter",
     "kv_transfer_failures": "counter", "aborts": "counter", "late_messages_dropped": "counter",
+    # the transfer's own view, which the PD fault tests read to prove a transfer was in flight
+    "kv_rooms_live": "gauge", "kv_writes_in_flight": "gauge", "kv_rooms_failed_peer_dead": "counter",
     "scheduler_step_seconds": "histogram", "scheduler_agree_seconds": "histogram",
     "parser_diagnostics": "counter",
 }

@@ -25,12 +25,16 @@ from pdserve_kernels import cpu_lib
 from pdserve_kernels.quant import (BLOCK, FORMATS, dequantize, qmatmul_emulated, qmatmul_native,
                                    qmatmul_torch, quantize)
 
-pytestmark = pytest.mark.skipif(not cpu_lib.availability(), reason="native CPU kernels unavailable")
-
 ISAS = [isa for isa in ("avx2", "avx512") if cpu_lib.isa_supported(isa)]
 SHAPES = [(1, 37, 96), (3, 53, 160), (17, 29, 64), (64, 19, 640)]  # (M, N, K)
 # the gemm path dequantizes 4096 weight rows at a time: one shape spans two slices
 GEMM_SHAPES = SHAPES + [(64, 4100, 64)]
+
+
+def test_make_setup_built_the_native_cpu_kernels():
+    """`make setup` compiles csrc/cpu/; every test below needs the library."""
+    avail = cpu_lib.availability()
+    assert avail, avail.reason
 
 
 def _case(fmt_name: str, m: int, n: int, k: int, seed: int):
