@@ -385,22 +385,20 @@ def test_a_call_cut_by_an_end_id_is_reported_not_returned(served: Served) -> Non
 
 
 @pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("served", ["glm", "qwen"], indirect=True)  # DSML has no single closer id
 def test_a_call_whose_arguments_closed_before_the_end_is_returned(served: Served) -> None:
     """The output ends right where the first call's closer would come: its arguments are
-    complete, so it is a call (for Hermes: the body without `</tool_call>`)."""
-    closer = {"v32": "</", "v4": "</", "glm": "</tool_call>", "qwen": "</tool_call>"}[served.name]
-    if closer == "</":
-        pytest.skip("no single id closes only a DSML invoke; the parser tests cover it")
-    result, invalid = reported(served, tools=TOOLS, stop_token_ids=[first_id_with(served, closer)])
+    complete, so it is a call (for Hermes: the body without `</tool_call>`). No single id closes
+    only a DSML invoke, so the DSML case is in the parser tests."""
+    result, invalid = reported(served, tools=TOOLS, stop_token_ids=[first_id_with(served, "</tool_call>")])
     assert (parsed_calls(result), result["finish_reason"], invalid) == (CALLS[:1], "tool_calls", [])
 
 
 @pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("served", ["v32"], indirect=True)  # the script that writes the string value
 def test_values_take_the_schema_type_only_when_it_asks(served: Served) -> None:
     """V3.2 wrote `days` as the string "3": the schema's integer makes it 3 (the first test), a
     string schema keeps "3"."""
-    if served.name != "v32":
-        pytest.skip("the V3.2 script writes the string value")
     tools = json.loads(json.dumps(TOOLS))
     tools[0]["function"]["parameters"]["properties"]["days"]["type"] = "string"
     result = both(served, tools=tools)
