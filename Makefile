@@ -51,3 +51,14 @@ llama-cpp:
 # pdserve (PD and colocated) against llama-server, same streaming chat load; see bench/README.md.
 bench-peers: setup
 	$(PY) bench/peers.py
+
+# Soak (bench/soak.py, docs/liveness.md): a mixed load against `pdserve serve` PD TP=3 for
+# SOAK_S seconds, then the leak checks; a 2-minute version runs in `make test`.
+SOAK_S ?= 1800
+.PHONY: soak idle-cpu
+soak: setup
+	$(PY) bench/soak.py --duration $(SOAK_S) --out bench/results/soak-$(SOAK_S)s.json
+
+# CPU of an idle `pdserve serve --tp 3` over a minute.
+idle-cpu: setup
+	$(PY) bench/idle_cpu.py --tp 3 --window 60

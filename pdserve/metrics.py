@@ -27,6 +27,8 @@ ROOM_STATES = ("done", "failed", "aborted")
 # client: the HTTP client went away; router: the router cancelled (stop string, timeout);
 # peer: the other worker of the room failed or died; timeout: a worker-side deadline;
 # drain: shutdown aborted what did not finish within the drain timeout.
+# why the router's admission refused a request (pdserve.frontend.admission.Rejection)
+ADMISSION_REJECTIONS = ("queue_full", "queue_timeout", "too_large", "no_worker")
 ABORT_ORIGINS = ("client", "router", "peer", "timeout", "drain")
 OTHER = "other"
 
@@ -40,6 +42,7 @@ REQUEST_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.
                    30.0, 45.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3600.0)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0, 10.0, 30.0, 60.0)
+COMPILE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16,
                 0.32, 0.64, 1.28, 2.56, 5.12)
 
@@ -56,6 +59,15 @@ class _Base:
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         self._const = {"model_name": model_name, "role": role}
+        # structured outputs: the router compiles to validate, workers to sample
+        self.grammar_cache_lookups = self._counter("grammar_cache_lookups", "Grammar cache lookups by result.",
+                                                   "result", ("hit", "miss"))
+        self.grammar_compile_seconds = self._histogram("grammar_compile_seconds",
+                                                       "Time to compile a grammar (a cache miss).", COMPILE_BUCKETS)
+        self.grammar_mask_seconds = self._histogram(
+            "grammar_mask_seconds", "CPU time per step to compute and apply the grammar bitmasks.", STEP_BUCKETS)
+        self.grammar_matchers_live = self._gauge("grammar_matchers_live",
+                                                 "Grammar matchers of running requests (rank 0 of a worker).")
 
     def _counter(self, short: str, doc: str, label: str | None = None,
                  values: tuple[str, ...] = ()) -> Counter:
@@ -80,6 +92,20 @@ class _Base:
         if allowed is not None and value not in allowed:
             value = OTHER
         metric.labels(**self._const, **{label: value}).inc(amount)
+
+    def grammar_compiled(self, seconds: float, cached: bool) -> None:
+        """A grammar was looked up (structured outputs): its compile time when not cached."""
+        self._inc(self.grammar_cache_lookups, "result", "hit" if cached else "miss", ("hit", "miss"))
+        if not cached:
+            self.grammar_compile_seconds.observe(seconds)
+
+    def grammar_masked(self, seconds: float, rows: int) -> None:
+        """One step's grammar bitmasks (all its constrained rows) computed and applied."""
+        self.grammar_mask_seconds.observe(seconds)
+
+    def grammar_matchers(self, live: int) -> None:
+        """Matchers started and not yet released (they end with their request or preemption)."""
+        self.grammar_matchers_live.set(live)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this process's metrics (GET /metrics)."""
@@ -135,6 +161,15 @@ class WorkerMetrics(_Base):
         self.late_messages_dropped = self._counter(
             "late_messages_dropped",
             "Messages for rooms that had already ended or were never known, dropped.")
+        self.prefix_cache_queries = self._counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = self._counter(
+            "prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).")
+        self.prefix_cache_host_hits = self._counter(
+            "prefix_cache_host_hits", "Prompt tokens of those hits loaded back from the host-memory tier.")
+        self.num_preemptions = self._counter(
+            "num_preemptions", "Running requests preempted (their KV dropped, recomputed later).")
+        self._scheduler_totals: dict[str, int] = {}
         self.scheduler_step_time = self._histogram(
             "scheduler_step_seconds", "Time of one scheduler iteration (observe to apply).",
             STEP_BUCKETS)
@@ -178,6 +213,16 @@ class WorkerMetrics(_Base):
         self.kv_rooms_live.set(rooms_live)
         self.kv_writes_in_flight.set(writes_in_flight)
 
+    def scheduler_counts(self, *, cache_queries: int, cache_hits: int, preemptions: int,
+                         host_hits: int = 0) -> None:
+        """The scheduler's cumulative counts → increments since the last call."""
+        for metric, key, total in ((self.prefix_cache_queries, "queries", cache_queries),
+                                   (self.prefix_cache_hits, "hits", cache_hits),
+                                   (self.prefix_cache_host_hits, "host_hits", host_hits),
+                                   (self.num_preemptions, "preemptions", preemptions)):
+            metric.inc(max(total - self._scheduler_totals.get(key, 0), 0))
+            self._scheduler_totals[key] = total
+
     def scheduler_step(self, step_s: float, agree_s: float) -> None:
         self.scheduler_step_time.observe(step_s)
         self.scheduler_agree_time.observe(agree_s)
@@ -217,6 +262,14 @@ class RouterMetrics(_Base):
         self.parser_diagnostics = self._counter(
             "parser_diagnostics",
             "Output parser diagnostics (markup suppressed, malformed markup), by kind.", "kind")
+        self.admission_queue_length = self._gauge(
+            "admission_queue_length", "Requests waiting in the router's admission queue for room.")
+        self.admission_queue_time = self._histogram(
+            "admission_queue_seconds", "Time an admitted request waited in the admission queue.",
+            REQUEST_BUCKETS)
+        self.admission_rejections = self._counter(
+            "admission_rejections", "Requests the admission refused (429, or 503 without workers), by reason.",
+            "reason", ADMISSION_REJECTIONS)
 
     def start_request(self, prompt_tokens: int, arrival: float | None = None) -> RequestTimer:
         """Call when a request is accepted (`arrival`: when it arrived, on `clock`; default now);
@@ -233,6 +286,14 @@ class RouterMetrics(_Base):
 
     def aborted(self, origin: str) -> None:
         self._inc(self.aborts, "origin", origin, ABORT_ORIGINS)
+
+    def watch_admission(self, admission) -> None:
+        """Read the queue length from `admission` (a frontend.admission.Admission) at each scrape,
+        and count its waits and refusals."""
+        self.admission_queue_length.set_function(lambda: admission.queued)
+        admission.stats.on_wait = self.admission_queue_time.observe
+        admission.stats.on_reject = lambda why: self._inc(self.admission_rejections, "reason", why,
+                                                          ADMISSION_REJECTIONS)
 
     def parser_diagnostic(self, kind: str) -> None:
         """`kind` is a parser `Diag` value (a fixed enum, so the label set stays bounded)."""

@@ -11,8 +11,10 @@ from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 class TextStream:
     """Feed token ids with `push`; get text deltas; `stopped` once a stop string was seen."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str] | tuple[str, ...] = ()):
-        self._detok = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, stop: list[str] | tuple[str, ...] = (),
+                 skip_special_tokens: bool = True):
+        # special tokens (<|im_end|>, EOS) are markup, not text: never printed, as over HTTP
+        self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""

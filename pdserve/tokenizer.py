@@ -125,6 +125,8 @@ class Tokenizer:
             self._tok.get_vocab_size(with_added_tokens=True), max(self._added, default=-1) + 1
         )
         self._build_byte_tables()
+        self.max_token_bytes = max(1, max((len(b) for b in self._bytes), default=1))
+        self._bounded = _length_is_bounded(json.loads(path.read_text(encoding="utf-8")))
         self.special_tokens_map = {
             key: tok for key in _SPECIAL_TOKEN_KEYS if (tok := _token_text(self.config.get(key)))
         }
@@ -139,7 +141,22 @@ class Tokenizer:
     # ---- ids and text -------------------------------------------------------------------------
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """The ids of `text`. Long texts go through ``encode_batch``, which gives the same ids
+        and releases the GIL while it works (``encode`` holds it even in a thread): a big
+        prompt tokenized off the router's event loop does not stall the loop."""
+        if len(text) <= _INLINE_ENCODE_CHARS:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on ``len(encode(text))`` without tokenizing: no token stands for more
+        than ``max_token_bytes`` bytes, and a normalizer shrinks a character's UTF-8 at most
+        ``_NORMALIZER_SHRINK`` times. 0 for tokenizers whose rules can drop text (whitespace
+        splitting, accent stripping, WordPiece/Unigram unknowns), where no such bound holds."""
+        if not self._bounded or not text:
+            return 0
+        per_token = self.max_token_bytes * _NORMALIZER_SHRINK
+        return -(-len(text.encode("utf-8", errors="replace")) // per_token)
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -256,6 +273,39 @@ class Tokenizer:
         if not templates:
             raise ValueError(f"the model in {self.model_dir} has no chat template")
         raise ValueError(f"no default chat template; pass one of {sorted(templates)}")
+
+
+_INLINE_ENCODE_CHARS = 2048  # shorter texts: plain encode (no batch set-up for a chat turn)
+_NORMALIZER_SHRINK = 4       # NFKC: a 4-byte character (U+1D400 "𝐀") can become 1 byte ("A")
+_KEEPS_TEXT_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Prepend", "Replace", "Sequence"})
+_KEEPS_TEXT_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split",
+                                        "Sequence", "UnicodeScripts"})
+
+
+def _length_is_bounded(spec: Mapping[str, Any]) -> bool:
+    """Whether every byte of the text ends up in some token (so bytes bound the token count):
+    a BPE model whose normalizer and pre-tokenizer never drop text."""
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("fuse_unk") and not model.get("byte_fallback")):
+        return False  # fused unknowns: one token for any run of unknown characters
+    for kind, allowed in (("normalizer", _KEEPS_TEXT_NORMALIZERS), ("pre_tokenizer", _KEEPS_TEXT_PRE_TOKENIZERS)):
+        for step in _steps(spec.get(kind)):
+            if step.get("type") not in allowed or step.get("behavior") == "Removed":
+                return False
+            pattern = (step.get("pattern") or {}).get("String")
+            if step.get("type") == "Replace" and not (isinstance(pattern, str) and len(pattern) == 1
+                                                      and step.get("content")):
+                return False  # a regex, or a longer string, can shrink the text without bound
+    return True
+
+
+def _steps(node: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
+    if not node:
+        return []
+    children = node.get("normalizers") or node.get("pretokenizers")
+    if node.get("type") == "Sequence" and children is not None:
+        return [step for child in children for step in _steps(child)]
+    return [node]
 
 
 def _strip_spaces(text: str, limit: int) -> str:

@@ -38,6 +38,29 @@ RETRY_AFTER_S = 5  # a draining worker's 503 says when to retry
 # ---- sampling -------------------------------------------------------------------------------
 
 
+class GrammarKind(str, enum.Enum):
+    """What a ``GrammarSpec.value`` is (``pdserve.structured`` compiles it)."""
+
+    JSON_SCHEMA = "json_schema"  # a JSON Schema, as JSON text (json_object: {"type": "object"})
+    REGEX = "regex"
+    CHOICE = "choice"            # a JSON list of strings: the output is exactly one of them
+    GRAMMAR = "grammar"          # a Lark or GBNF grammar
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the output, as sent: every worker compiles (and caches) it itself.
+
+    ``strict`` false: JSON Schema keywords the backend does not implement are ignored instead
+    of refused (OpenAI's non-strict ``json_schema``). ``start_after``: a token id (the end of
+    a reasoning section); the grammar applies to the output after its first occurrence only."""
+
+    kind: GrammarKind
+    value: str
+    strict: bool = True
+    start_after: int | None = None
+
+
 @dataclass
 class SamplingParams:
     """OpenAI-style sampling and stopping settings. `temperature == 0` means greedy.
@@ -61,6 +84,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings, matched on detokenized text
     logprobs: int | None = None  # None: no logprobs; N: the sampled token's plus the top N
+    structured: GrammarSpec | None = None  # None: unconstrained; else only its grammar's tokens
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -139,6 +163,7 @@ class ErrorCode(str, enum.Enum):
     PREFILL_FAILED = "prefill_failed"          # the prefill or its KV transfer failed
     DECODE_UNREACHABLE = "decode_unreachable"  # /prefill could not reach the decode worker
     ABORTED = "aborted"                        # the request was aborted while /prefill ran
+    UNAUTHORIZED = "unauthorized"              # the internal token is missing or wrong
 
     @property
     def status(self) -> int:
@@ -151,7 +176,8 @@ class ErrorCode(str, enum.Enum):
 
 
 _STATUS = {ErrorCode.BAD_REQUEST: 400, ErrorCode.NOT_SERVED: 404, ErrorCode.DRAINING: 503,
-           ErrorCode.PREFILL_FAILED: 500, ErrorCode.DECODE_UNREACHABLE: 502, ErrorCode.ABORTED: 409}
+           ErrorCode.PREFILL_FAILED: 500, ErrorCode.DECODE_UNREACHABLE: 502, ErrorCode.ABORTED: 409,
+           ErrorCode.UNAUTHORIZED: 401}
 
 
 # ---- errors ---------------------------------------------------------------------------------
@@ -213,6 +239,7 @@ class TokenLine(_Message):
     logprobs: list[TokenLogprob] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    cached_tokens: int | None = None  # with the finish: prompt tokens reused from the prefix cache
 
 
 StreamLine = Union[RoomLine, TokenLine]
@@ -253,6 +280,7 @@ class PrefillDone(_Message):
     A failure is an error status with an ``ErrorBody`` instead."""
 
     status: str = "done"
+    cached_tokens: int = 0  # prompt tokens reused from the prefill worker's prefix cache
 
 
 # ---- /abort ---------------------------------------------------------------------------------
@@ -291,6 +319,7 @@ class Info(_Message):
     num_blocks: int
     tp: int
     eos_token_ids: list[int]
+    max_num_seqs: int = 0   # most requests it runs at once (0: not reported); the router's admission
 
 
 class Load(_Message):

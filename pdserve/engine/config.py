@@ -1,9 +1,12 @@
 """Engine settings: one dataclass, built from keyword arguments or CLI flags."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -14,7 +17,7 @@ class EngineConfig:
     dtype: str = "auto"                 # auto: float32 on CPU, bfloat16 on GPU
     device: str = "cpu"
     block_size: int = 16
-    kv_cache_memory: int = 256 << 20    # bytes of KV pool (per rank)
+    kv_cache_memory: int | None = None  # bytes of KV pool per rank; None: auto (see fit_context)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512   # chunked-prefill token budget per step
     max_model_len: int | None = None    # default: the model's max_position_embeddings
@@ -23,6 +26,8 @@ class EngineConfig:
     nvfp4_mode: str = "auto"            # NVFP4 checkpoints: auto | w4a16 | w4a4
     quantization: str = "none"          # none | auto | gguf | int8 | int4 (pdserve.weights.quantization)
     index_cache_dtype: str = "bfloat16"  # DSA index keys (DeepSeek-V3.2, GLM-5): bfloat16 | fp8 | float32
+    prefix_cache: bool = True           # reuse cached KV blocks of shared prompt prefixes (--no-prefix-cache)
+    host_cache_memory: int = 0          # bytes of host memory for evicted cached blocks (0: no second tier)
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -30,3 +35,50 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
         return DTYPES[self.dtype]
+
+
+AUTO_KV_MEMORY = 256 << 20  # the least an automatic KV pool gets (per rank)
+AUTO_KV_LIMIT = 4 << 30     # an automatic pool grows to hold one full context up to this size
+
+
+class ContextDoesNotFit(ValueError):
+    """An explicit max_model_len larger than an explicit KV pool: refused at start."""
+
+
+@dataclass(frozen=True)
+class ContextFit:
+    """The KV pool's size and the context length the worker serves, reconciled."""
+
+    num_blocks: int
+    max_model_len: int
+
+
+def fit_context(config: EngineConfig, bytes_per_block: int, model_len: int) -> ContextFit:
+    """Size the KV pool and the context so that one request at the full context always fits.
+
+    A request of max_model_len tokens that could not fit the pool even alone would fail (or
+    preempt itself forever) after being admitted, so the two are reconciled here, at start-up:
+
+    * no --kv-cache-memory: the pool holds the context once (at least AUTO_KV_MEMORY, at most
+      AUTO_KV_LIMIT);
+    * a pool smaller than the context: max_model_len is lowered to what it holds (logged), unless
+      --max-model-len was given, which is refused (``ContextDoesNotFit``), as vLLM does.
+    """
+    bs = config.block_size
+    target = config.max_model_len or model_len
+    needed = -(-target // bs)
+    memory = config.kv_cache_memory
+    if memory is None:
+        memory = max(AUTO_KV_MEMORY, min(needed * bytes_per_block, AUTO_KV_LIMIT))
+    num_blocks = memory // bytes_per_block
+    capacity = num_blocks * bs
+    if capacity >= target:
+        return ContextFit(num_blocks, target)
+    hint = f"--kv-cache-memory {-(-needed * bytes_per_block // (1 << 20))}MiB"
+    if config.max_model_len is not None:
+        raise ContextDoesNotFit(
+            f"--max-model-len {target} does not fit the KV pool ({num_blocks} blocks x {bs} = {capacity} "
+            f"tokens); give {hint} or more, or --max-model-len {capacity} or less")
+    logger.warning("max_model_len lowered from %d to %d: the KV pool (%d blocks x %d tokens) holds no "
+                   "more; %s would keep the model's context", target, capacity, num_blocks, bs, hint)
+    return ContextFit(num_blocks, capacity)

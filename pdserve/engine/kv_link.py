@@ -20,14 +20,16 @@ logger = logging.getLogger(__name__)
 
 def encode_first_token(tok: SampledToken) -> bytes:
     lp = tok.logprobs
-    return json.dumps({"t": tok.token_id, "lp": None if lp is None else [lp.logprob, lp.top]}).encode()
+    return json.dumps({"t": tok.token_id, "lp": None if lp is None else [lp.logprob, lp.top],
+                       "c": tok.cached_tokens}).encode()
 
 
 def decode_first_token(room: str, payload: bytes) -> SampledToken:
     d = json.loads(payload)
     lp = d.get("lp")
     return SampledToken(room, int(d["t"]), None if lp is None else
-                        TokenLogprobs(int(d["t"]), float(lp[0]), [(int(a), float(b)) for a, b in lp[1]]))
+                        TokenLogprobs(int(d["t"]), float(lp[0]), [(int(a), float(b)) for a, b in lp[1]]),
+                        int(d.get("c") or 0))
 
 
 class KVLink:
@@ -88,7 +90,8 @@ class KVLink:
         try:
             name = self.agent.connect(peer.bootstrap[self.rank].encode())
             ok = self.agent.write(rid, name, blocks, list(peer.blocks),
-                                  encode_first_token(SampledToken(rid, out.token_id, out.logprobs)))
+                                  encode_first_token(SampledToken(rid, out.token_id, out.logprobs,
+                                                                 out.cached_tokens or 0)))
         except Exception as e:  # a transport or layout error fails this room, never the loop
             logger.warning("room %s: cannot write KV to the decode worker: %s", rid, e, extra=about(rid))
             return self._fail(rid, str(e))

@@ -16,16 +16,17 @@ import pdserve_kernels as ops
 from pdserve.distributed import TPGroup
 from pdserve.distributed.comm import LocalComm
 from pdserve.distributed.trace import CollectiveTrace
-from pdserve.kvcache import BlockAllocator, KVPool
+from pdserve.kvcache import BlockAllocator, HostTier, KVPool, salt_of
 from pdserve.layers.dsa import INDEX_DTYPES
 from pdserve.models import eos_token_ids, load_model, read_config
 from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
 from pdserve.scheduler.lockstep import LockstepLoop
 from pdserve.scheduler.plan import KVPeer
 from pdserve.scheduler.recent import RecentIds
+from pdserve.structured.factory import grammars_for_model
 from pdserve.weights import resolve_model_path
 
-from .config import EngineConfig
+from .config import EngineConfig, fit_context
 from .kv_link import KVLink
 from .model_runner import ModelRunner
 from .sampling_params import SamplingParams
@@ -66,14 +67,27 @@ class LLMEngine:
         self.model = load_model(self.model_dir, dtype, config.device, tp, config.nvfp4_mode,
                                 config.quantization)
         specs = self.model.cache_spec(dtype, INDEX_DTYPES[config.index_cache_dtype])
-        num_blocks = KVPool.blocks_for_budget(config.kv_cache_memory, specs, config.block_size)
+        # the pool and the context reconciled: a request at the full context always fits alone
+        fit = fit_context(config, KVPool.bytes_per_block(specs, config.block_size),
+                          hf_config.get("max_position_embeddings", 4096))
+        num_blocks = fit.num_blocks
         self.pool = KVPool(specs, num_blocks, config.block_size, config.device)
-        self.allocator = BlockAllocator(num_blocks)
-        max_len = config.max_model_len or hf_config.get("max_position_embeddings", 4096)
+        # a decode worker never looks its cache up (its prompts' KV arrives from prefill)
+        caching = config.prefix_cache and kv_role != KVRole.DECODE
+        host_blocks = config.host_cache_memory // KVPool.bytes_per_block(specs, config.block_size)
+        host = HostTier(self.pool, host_blocks) if caching and host_blocks else None
+        self.allocator = BlockAllocator(num_blocks, caching=caching, host=host)
+        max_len = fit.max_model_len
+        # everything besides the tokens that shapes a block's KV starts its names' chain
+        salt = salt_of(str(self.model_dir), str(dtype), config.quantization, config.nvfp4_mode,
+                       config.index_cache_dtype, config.block_size, tp.size)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.block_size, config.max_num_seqs, config.max_num_batched_tokens, max_len),
+            SchedulerConfig(config.block_size, config.max_num_seqs, config.max_num_batched_tokens, max_len,
+                            salt),
             self.allocator, eos_token_ids(self.model_dir))
         self.runner = ModelRunner(self.model, self.pool, config.device)
+        # constrained decoding: only rank 0 samples, so only its cache ever compiles (lockstep.py)
+        self.grammars = self.runner.grammars = grammars_for_model(self.model_dir)
         self.kv_role = KVRole(kv_role)
         self.loop = LockstepLoop(self.scheduler, self.comm, self.runner.run, None, digest_every, self.trace)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -118,6 +132,10 @@ class LLMEngine:
         for item in items:
             if isinstance(item, NewRequest):
                 cost = 8 * len(item.prompt_ids) + 1024
+                if item.peer is not None:  # a prefill's peer carries the decode ranks' bootstraps
+                    cost += sum(len(b) for b in item.peer.bootstrap) + 8 * len(item.peer.blocks)
+                if item.params.structured is not None:  # the spec travels in the plan too
+                    cost += len(item.params.structured.value.encode())
                 if cost > budget and inbox.new:
                     self._carry.append(item)
                     continue

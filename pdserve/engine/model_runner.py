@@ -6,8 +6,9 @@ import torch
 from pdserve.kvcache import KVPool
 from pdserve.layers.attention import AttentionMetadata
 from pdserve.scheduler.plan import SampledToken
+from pdserve.structured import Grammars
 
-from .sampler import sample
+from .sampler import prepare_masks, sample
 from .sequence import Sequence
 
 
@@ -16,6 +17,7 @@ class ModelRunner:
 
     def __init__(self, model: torch.nn.Module, pool: KVPool, device: str = "cpu"):
         self.model, self.pool, self.device = model, pool, device
+        self.grammars: Grammars | None = None  # for constrained requests (the engine sets it)
 
     def metadata(self, batch: list[tuple[Sequence, int, int]]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -54,8 +56,10 @@ class ModelRunner:
         if not batch:
             return []
         ids, positions, meta = self.metadata(batch)
-        hidden = self.model(ids, positions, meta)
         ends = [i for i, (seq, start, n) in enumerate(batch) if start + n == seq.num_tokens]
+        # constrained requests: their grammar masks are computed in a thread while the forward runs
+        masks = prepare_masks([batch[i][0] for i in ends], self.grammars) if sample_tokens else None
+        hidden = self.model(ids, positions, meta)
         if not ends:
             return []
         if len(ends) == hidden.shape[0]:  # decode: every row is a sequence's last token
@@ -67,7 +71,8 @@ class ModelRunner:
         if not sample_tokens:
             return []
         seqs = [batch[i][0] for i in ends]
-        return [SampledToken(seq.request_id, tok, lp) for seq, (tok, lp) in zip(seqs, sample(logits, seqs))]
+        sampled = sample(logits, seqs, self.grammars, masks)
+        return [SampledToken(seq.request_id, tok, lp) for seq, (tok, lp) in zip(seqs, sampled)]
 
 
 def _tokens(seq: Sequence, start: int, n: int) -> list[int]:

@@ -1,27 +1,103 @@
 """Turns last-position logits into next tokens, one row per sequence.
 
-Order: logit bias and min_tokens masking, then repetition/presence/frequency penalties (the
+Order: the grammar mask of constrained sequences (``pdserve.structured``: every later step,
+logprobs included, sees the masked distribution; EOS only where the grammar accepts), logit
+bias and min_tokens masking, then repetition/presence/frequency penalties (the
 logprobs reported are taken here, before temperature), then temperature, top-k, top-p, min-p,
 and a draw from the sequence's own generator when it has a seed (reproducible per request).
 """
 from __future__ import annotations
 
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
 import torch
 
 from pdserve.engine.sequence import Sequence, TokenLogprobs
+from pdserve.structured import Grammars
+from pdserve.structured.bitmask import apply_bitmask, new_bitmask
+
+logger = logging.getLogger(__name__)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenLogprobs | None]]:
-    """Sample one token for each row of `logits` `[len(seqs), vocab]`."""
+@dataclass
+class GrammarMasks:
+    """The bitmasks of a batch's constrained rows, being computed (``prepare_masks``)."""
+
+    rows: list[int]       # the rows of the logits they belong to
+    job: Future           # → (bitmask [len(rows), words], seconds it took)
+
+
+def prepare_masks(seqs: list[Sequence], grammars: Grammars | None) -> GrammarMasks | None:
+    """Start computing the grammar bitmasks of the constrained `seqs` in the grammars' thread,
+    so that they overlap the forward (the backend releases the GIL); None when none is
+    constrained: unconstrained batches pay one pass over their params."""
+    rows = [i for i, seq in enumerate(seqs) if seq.params.structured is not None]
+    if not rows:
+        return None
+    if grammars is None:
+        raise RuntimeError("a constrained request reached a model runner without grammars")
+    return GrammarMasks(rows, grammars.submit(_fill, [seqs[i] for i in rows], grammars))
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence], grammars: Grammars | None = None,
+           masks: GrammarMasks | None = None) -> list[tuple[int, TokenLogprobs | None]]:
+    """Sample one token for each row of `logits` `[len(seqs), vocab]`.
+
+    `grammars` serves the constrained sequences (``params.structured``), whose bitmasks
+    `masks` may already hold (else they are computed here); a batch without one takes none of
+    that path."""
+    if masks is None:
+        masks = prepare_masks(seqs, grammars)
+    if masks is not None:
+        logits = logits.float().clone()
+        bitmask, fill_s = masks.job.result()
+        t0 = time.thread_time()
+        apply_bitmask(logits, masks.rows, bitmask)
+        if grammars is not None and grammars.observer is not None:
+            grammars.observer.grammar_masked(fill_s + time.thread_time() - t0, len(masks.rows))
     if all(_plain_greedy(seq) for seq in seqs):  # the common case: one argmax for the batch
         return [(token, None) for token in logits.argmax(dim=-1).tolist()]
-    logits = logits.float().clone()
+    if masks is None:
+        logits = logits.float().clone()
     out = []
     for i, seq in enumerate(seqs):
         row = _adjust(logits[i], seq)
         token = _draw(row, seq)
         out.append((token, _logprobs(row, token, seq.params.logprobs)))
     return out
+
+
+def _fill(seqs: list[Sequence], grammars: Grammars) -> tuple[torch.Tensor, float]:
+    """The bitmask of what each of `seqs`' grammars allows next. A matcher is started on first
+    use and first catches up with its sequence's output (see ``GrammarState.sync``). The
+    seconds returned are this thread's CPU time: the cost, whatever the forward beside it does."""
+    t0 = time.thread_time()
+    bitmask = new_bitmask(len(seqs), grammars.backend.vocab_size)
+    for j, seq in enumerate(seqs):
+        spec, output = seq.params.structured, seq.output_ids
+        if spec.start_after is not None:  # e.g. reasoning first: free until its end marker
+            if spec.start_after not in output:
+                continue  # the row stays all ones
+            output = output[output.index(spec.start_after) + 1:]
+        if seq.grammar is None:
+            seq.grammar = grammars.start(spec)
+        seq.grammar.sync(output)
+        seq.grammar.matcher.fill_bitmask(bitmask, j)
+        if seq.grammar.matcher.error is not None or not bitmask[j].any():  # cannot go on: end it
+            logger.warning("request %s: the grammar allows nothing (%s); ending it", seq.request_id,
+                           (seq.grammar.matcher.error or "no token").splitlines()[0])
+            _only(bitmask, j, seq.eos_token_ids)
+    return bitmask, time.thread_time() - t0
+
+
+def _only(bitmask: torch.Tensor, row: int, token_ids: frozenset[int]) -> None:
+    bitmask[row] = 0
+    for t in token_ids:
+        if t // 32 < bitmask.shape[1]:
+            bitmask[row, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
 
 
 def _plain_greedy(seq: Sequence) -> bool:
@@ -41,7 +117,10 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     if len(seq.output_ids) < p.min_tokens:
         banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(seq.eos_token_ids))
         if banned:
+            kept = row[list(banned)].clone()
             row[list(banned)] = float("-inf")
+            if p.structured is not None and not torch.isfinite(row).any():
+                row[list(banned)] = kept  # the grammar allows nothing but the end: it wins
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(seq.prompt_ids) | set(seq.output_ids)), dtype=torch.long)
         vals = row[seen]
@@ -56,7 +135,7 @@ def _draw(row: torch.Tensor, seq: Sequence) -> int:
     p = seq.params
     if p.greedy:
         return int(row.argmax())
-    row = row / p.temperature
+    unscaled, row = row, row / p.temperature
     if p.top_k and p.top_k < row.numel():
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))
@@ -68,6 +147,9 @@ def _draw(row: torch.Tensor, seq: Sequence) -> int:
         probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
     if p.min_p > 0:
         probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        # a vanishing temperature overflows the scaled logits (inf - inf): the limit is greedy
+        return int(unscaled.argmax())
     return int(torch.multinomial(probs, 1, generator=seq.generator))
 
 

@@ -3,10 +3,14 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pdserve.structured import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -86,6 +90,12 @@ class Sequence:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     kv: KVRole = KVRole.LOCAL
+    grammar: GrammarState | None = None  # rank 0's matcher of a constrained request (sampler.py)
+    # prefix cache: the names of the full blocks (kvcache/prefix.py), extended as needed; how
+    # many leading tokens' blocks are named in the cache; tokens the first schedule reused
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_named: int = 0
+    cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.params.seed is not None and self.generator is None:

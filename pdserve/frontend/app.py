@@ -1,6 +1,6 @@
 """The router's HTTP edge: the FastAPI app, its routes (the OpenAI API, /health, /ready,
-/metrics), the middleware every request passes, and the mapping of every error to an OpenAI
-error object.
+/metrics, and vLLM's /tokenize, /detokenize and /version), the middleware every request passes,
+and the mapping of every error to an OpenAI error object (a 405 keeps its Allow header).
 
 Middleware (``RequestContextMiddleware``), before a handler runs:
 
@@ -46,9 +46,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.errors import (RETRY_AFTER_S, APIError, bad_api_key, from_status, internal, invalid,
                                      too_large, unavailable, validation_message)
-from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pdserve.frontend.render import version
 from pdserve.frontend.requests import Call, Calls, Serving, create_chat_completion, create_completion
 from pdserve.frontend.server import Router
+from pdserve.frontend.tokens import detokenize, tokenize
 from pdserve.logs import REQUEST_ID
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.tokenizer import Tokenizer
@@ -100,6 +102,18 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
         return await create_chat_completion(serving, req, _call(ids, request))
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> dict[str, Any]:
+        return await tokenize(serving, await _parse(request, TokenizeRequest))
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> dict[str, Any]:
+        return detokenize(serving, await _parse(request, DetokenizeRequest))
+
+    @app.get("/version")
+    async def version_route() -> dict[str, str]:
+        return {"version": version()}
 
     @app.get("/health")
     async def health() -> Response:
@@ -166,11 +180,12 @@ def _reject_constant(name: str) -> Any:
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    def reply(request: Request, error: APIError) -> JSONResponse:
+    def reply(request: Request, error: APIError, extra: dict[str, str] | None = None) -> JSONResponse:
         if error.status >= 500:
             logger.error("[%s] %s", getattr(request.state, "request_id", "-"), error.message)
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
-        return JSONResponse(error.body(), status_code=error.status, headers=headers)
+        retry = error.retry_after_s or RETRY_AFTER_S
+        headers = {"Retry-After": str(retry)} if error.status in (429, 503) else {}
+        return JSONResponse(error.body(), status_code=error.status, headers={**(extra or {}), **headers})
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -183,7 +198,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return reply(request, from_status(exc.status_code, str(exc.detail)))
+        return reply(request, from_status(exc.status_code, str(exc.detail)), exc.headers)  # 405: Allow
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:

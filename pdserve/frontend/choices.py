@@ -104,6 +104,7 @@ class ChoiceEvent:
     finish_reason: str | None = None   # "stop" | "length" | "tool_calls" on the choice's last event
     error: APIError | None = None      # the choice failed; no further events follow
     num_tokens: int = 0                # tokens generated so far (the completion's usage)
+    cached_tokens: int | None = None   # with the finish: prompt tokens reused from a prefix cache
 
     @property
     def last(self) -> bool:
@@ -132,6 +133,7 @@ class ChoiceRun:
         self.services = services
         self.batcher = DeltaBatcher(stream_batch)
         self.num_tokens = 0
+        self.cached_tokens = 0  # the worker's count, from the last token line
         self.finished = False
         self.prefill_seconds: float | None = None
         self._worker_finished = False   # decode reported stop/length: nothing to abort
@@ -271,6 +273,7 @@ class ChoiceRun:
                 return True
         reason = line.finish_reason
         if reason is not None and reason.normal:
+            self.cached_tokens = line.cached_tokens or 0
             self._worker_finished = True
             self._finish(reason.value)
             return True
@@ -283,7 +286,8 @@ class ChoiceRun:
         self.batcher.add_text(self.decoder.finish(reason))  # may raise: tool_choice not satisfied
         self.finished = self._ended = True
         reason = self.decoder.finish_reason or reason        # e.g. "tool_calls"
-        self.emit(ChoiceEvent(self.spec.index, self.batcher.take(), reason, num_tokens=self.num_tokens))
+        self.emit(ChoiceEvent(self.spec.index, self.batcher.take(), reason, num_tokens=self.num_tokens,
+                              cached_tokens=self.cached_tokens))
 
     def _end_with_error(self, error: APIError) -> None:
         self._ended = True

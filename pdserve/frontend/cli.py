@@ -70,6 +70,27 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger bodies get 413")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the smallest the workers report)")
+    add_admission_flags(p)
+
+
+def add_admission_flags(p: argparse.ArgumentParser) -> None:
+    """Liveness, admission and internal auth (docs/liveness.md)."""
+    a = p.add_argument_group("liveness and admission (docs/liveness.md)")
+    a.add_argument("--max-queue", type=int, default=256, metavar="N",
+                   help="requests that may wait for room; one more gets 429 at once")
+    a.add_argument("--queue-timeout", type=float, default=30.0, metavar="S",
+                   help="how long a request waits for room before it gets 429 with Retry-After")
+    a.add_argument("--worker-capacity", type=_positive, default=None, metavar="N",
+                   help="requests (choices) queued + running per worker (default: 2 × its max_num_seqs)")
+    a.add_argument("--max-running", type=_positive, default=None, metavar="N",
+                   help="requests (choices) running router-wide (default: no bound beyond the workers')")
+    a.add_argument("--slow-after", type=float, default=3.0, metavar="S",
+                   help="a worker silent this long gets no new requests; those on it go on")
+    a.add_argument("--dead-after", type=float, default=30.0, metavar="S",
+                   help="a worker silent this long is dead: its requests fail (a refused port fails them at once)")
+    a.add_argument("--internal-token", default=None, metavar="TOKEN",
+                   help="shared secret of the workers' internal API, sent on every call to them "
+                        "(default: $PDSERVE_INTERNAL_TOKEN)")
 
 
 def _name_port(text: str) -> str:
@@ -116,7 +137,11 @@ def router_config(args: argparse.Namespace, model_dir: Path, prefill: list[str],
                         api_key=api_key(args), stream_batch=args.stream_batch,
                         max_request_bytes=args.max_request_bytes, max_model_len=args.max_model_len,
                         drain_timeout_s=args.drain_timeout,
-                        tool_call_parser=getattr(args, "tool_call_parser", None))
+                        tool_call_parser=getattr(args, "tool_call_parser", None),
+                        max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
+                        worker_capacity=args.worker_capacity, max_running=args.max_running,
+                        slow_after_s=args.slow_after, dead_after_s=args.dead_after,
+                        internal_token=internal_token(args))
 
 
 def api_key(args: argparse.Namespace) -> str | None:
@@ -132,6 +157,11 @@ def api_key(args: argparse.Namespace) -> str | None:
             raise SystemExit(f"--api-key-file: {args.api_key_file} is empty")
         return key
     return os.environ.get("PDSERVE_API_KEY", "").strip() or None
+
+
+def internal_token(args: argparse.Namespace) -> str | None:
+    """--internal-token, else $PDSERVE_INTERNAL_TOKEN; None: the workers' API is open."""
+    return getattr(args, "internal_token", None) or os.environ.get("PDSERVE_INTERNAL_TOKEN", "").strip() or None
 
 
 def resolve_model_dir(model: str | None) -> Path:

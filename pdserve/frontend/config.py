@@ -25,8 +25,15 @@ class RouterConfig:
     max_model_len: int | None = None      # None: the smallest of the workers' /info
     tool_call_parser: str | None = None   # a pdserve.parsers.PARSER_NAMES name; None: from the model
     health_interval_s: float = 0.5        # how often every worker's /health and /load are polled
+    idle_health_interval_s: float = 2.0   # ... when nothing runs on it (an idle server costs nothing)
     health_timeout_s: float = 5.0         # one probe's deadline (a late answer still shows life)
-    dead_after_s: float = 1.5             # no answer at all for this long: out, in-flight failed
+    slow_after_s: float = 3.0             # no answer for this long: slow, no new requests (docs/liveness.md)
+    dead_after_s: float = 30.0            # no answer at all for this long: dead, in-flight failed
+    max_queue: int = 256                  # requests waiting for room (admission.py); more get 429
+    queue_timeout_s: float = 30.0         # how long one waits for room before its 429
+    worker_capacity: int | None = None    # choices per worker (None: 2 × its max_num_seqs)
+    max_running: int | None = None        # choices running router-wide (None: the workers' sum)
+    internal_token: str | None = None     # sent to the workers' internal API (PDSERVE_INTERNAL_TOKEN)
     wedged_grace_s: float = 30.0          # a worker reporting "wedged" this long: in-flight failed
     abort_timeout_s: float = 2.0
     connect_timeout_s: float = 3.0

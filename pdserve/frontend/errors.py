@@ -22,6 +22,7 @@ class APIError(Exception):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+    retry_after_s: int | None = None   # the Retry-After a 429 or 503 answers with (None: the default)
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -50,6 +51,12 @@ def unavailable(message: str) -> APIError:
     return APIError(message, 503, "server_error", None, "service_unavailable")
 
 
+def overloaded(message: str, retry_after_s: int) -> APIError:
+    """429: no room for the request within the admission queue's bound (admission.py). Type and
+    code as OpenAI's own 429 body has them."""
+    return APIError(message, 429, "requests", None, "rate_limit_exceeded", retry_after_s)
+
+
 def internal(message: str) -> APIError:
     return APIError(message, 500, "server_error", None, "internal_error")
 
@@ -63,9 +70,14 @@ def bad_api_key() -> APIError:
     return APIError("Incorrect API key provided.", 401, "authentication_error", None, "invalid_api_key")
 
 
-def context_too_long(max_len: int, prompt_len: int, max_tokens: int | None, param: str) -> APIError:
-    """400 with the numbers, worded as OpenAI words it."""
-    if max_tokens is None or prompt_len >= max_len:
+def context_too_long(max_len: int, prompt_len: int, max_tokens: int | None, param: str,
+                     at_least: bool = False) -> APIError:
+    """400 with the numbers, worded as OpenAI words it (`at_least`: a bound from the text's size,
+    which was not tokenized)."""
+    if at_least:
+        msg = (f"This model's maximum context length is {max_len} tokens. However, your request has at "
+               f"least {prompt_len} input tokens (by its size). Please reduce the length of the input.")
+    elif max_tokens is None or prompt_len >= max_len:
         msg = (f"This model's maximum context length is {max_len} tokens. However, your request has "
                f"{prompt_len} input tokens. Please reduce the length of the input.")
     else:

@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import jinja2
 
 from pdserve.frontend.encoders import EncodeError, encode_v4, encode_v32, thinking_from_kwargs
-from pdserve.frontend.errors import invalid
+from pdserve.frontend.errors import context_too_long, invalid
 from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.tokenizer import Tokenizer
 
@@ -56,25 +56,51 @@ class PromptBuilder:
     tokenizer: Tokenizer
     inline_chars: int = 4096
 
-    async def completion(self, req: CompletionRequest) -> list[Prompt]:
+    async def completion(self, req: CompletionRequest, max_len: int | None = None) -> list[Prompt]:
+        """`max_len`: a text that cannot fit it, by its size alone, is refused untokenized."""
         items: list[Any] = _prompt_list(req.prompt)
+        for p in items:
+            if isinstance(p, str):
+                self._check_size(p, max_len, "prompt")
         size = sum(len(p) for p in items if isinstance(p, str))
         return await self._run(size, lambda: [self._one(p) for p in items])
 
     async def chat(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None,
-                   style: PromptStyle = PromptStyle.TEMPLATE) -> Prompt:
-        """`tools`: what the prompt shows (none when tool_choice is "none"; see ``tools``)."""
+                   style: PromptStyle = PromptStyle.TEMPLATE, max_len: int | None = None) -> Prompt:
+        """`tools`: what the prompt shows (none when tool_choice is "none"; see ``tools``).
+        `max_len`: messages that cannot fit it, by their size alone, are refused untokenized."""
+        # assistant turns are left out of the bound: some templates drop parts of them (thinking)
+        self._check_size("".join(m.text() for m in req.messages if m.role != "assistant"), max_len,
+                         "messages")
         size = sum(len(m.text()) for m in req.messages) + (len(json.dumps(tools)) if tools else 0)
         return await self._run(size, lambda: self._render(req, tools, style))
+
+    def _check_size(self, text: str, max_len: int | None, param: str) -> None:
+        """400 without tokenizing when the text's bytes prove it has at least max_len tokens (a
+        6 MB body would otherwise cost seconds of tokenizer time for a certain refusal)."""
+        if max_len is None or len(text) < max_len:  # no text of fewer characters can be that long
+            return
+        least = self.tokenizer.min_tokens(text)
+        if least >= max_len:
+            raise context_too_long(max_len, least, None, param, at_least=True)
 
     async def _run(self, size: int, work: Callable[[], T]) -> T:
         if size <= self.inline_chars:
             return work()
         return await asyncio.to_thread(work)
 
-    def _one(self, prompt: str | list[int]) -> Prompt:
+    def _one(self, prompt: str | list[int] | None) -> Prompt:
+        if prompt is None:  # a new document: the model's start-of-text token, as OpenAI's default
+            start = self.tokenizer.bos_token_id
+            start = self.tokenizer.eos_token_id if start is None else start
+            if start is None:
+                raise invalid("this model has no start-of-text token: give a prompt", "prompt")
+            return Prompt([start], "")
         if isinstance(prompt, str):
-            return Prompt(self.tokenizer.encode(prompt, add_special_tokens=True), prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            if not ids:
+                raise invalid("prompt must not be empty", "prompt")
+            return Prompt(ids, prompt)
         self.check_ids(prompt, "prompt")
         return Prompt(list(prompt), self.tokenizer.decode(prompt))
 
@@ -146,8 +172,10 @@ class PromptBuilder:
             raise invalid(f"token id {bad} is outside the vocabulary [0, {vocab})", param)
 
 
-def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[Any]:
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]] | None) -> list[Any]:
     """One prompt per item: a string, a list of strings, one id list, or a list of id lists."""
+    if prompt is None:
+        return [None]
     if isinstance(prompt, str):
         return [prompt]
     if all(isinstance(p, int) for p in prompt):
@@ -160,6 +188,8 @@ def _message_dict(message: Any, keep_null: bool = False) -> dict[str, Any]:
     beside tool calls); other templates get "" for it."""
     out = message.model_dump(exclude_none=True)
     out["content"] = None if keep_null and message.content is None else message.text()
+    if out["role"] == "function":  # the deprecated function result: a tool result to templates
+        out["role"] = "tool"
     return out
 
 

@@ -19,7 +19,7 @@ MAX_STOP = 16          # OpenAI documents 4; clients sometimes send a few more
 MAX_STOP_LENGTH = 1024
 MAX_LOGPROBS = 20
 
-Role = Literal["system", "developer", "user", "assistant", "tool"]
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: deprecated, read as tool
 ToolChoiceName = Literal["none", "auto", "required"]
 MAX_TOOL_NAME = 128
 # A name is written into the model's markup (DSML `name="…"`, GLM and Hermes text): no quotes,
@@ -68,7 +68,7 @@ class GenerationFields(BaseModel):
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)  # 0 (OpenAI allows it): the most likely token only
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -81,6 +81,21 @@ class GenerationFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    # vLLM's structured outputs (pdserve.structured.spec reads them; one constraint per request)
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        """OpenAI marks most fields nullable: a null is the field's default, whatever its type."""
+        if not isinstance(data, dict):
+            return data
+        defaulted = {name for name, f in cls.model_fields.items() if not f.is_required() and f.default is not None}
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
 
     @field_validator("stop")
     @classmethod
@@ -119,7 +134,8 @@ class GenerationFields(BaseModel):
 
 
 class CompletionRequest(GenerationFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    # null (OpenAI's default, "<|endoftext|>"): generate as from the start of a new document
+    prompt: str | list[str] | list[int] | list[list[int]] | None
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -207,8 +223,6 @@ class ChatCompletionRequest(GenerationFields):
     def _consistent(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
-        if self.response_format and self.response_format.get("type") not in ("text", None):
-            raise ValueError("only response_format type 'text' is supported")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
         if self.continue_final_message and self.messages[-1].role != "assistant":
@@ -236,3 +250,37 @@ class ChatCompletionRequest(GenerationFields):
     @property
     def top_n(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (as vLLM has it): a `prompt`, or chat `messages` through the chat template
+    exactly as /v1/chat/completions would render them."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (in the template)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize: token ids → text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]

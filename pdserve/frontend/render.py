@@ -38,6 +38,20 @@ from pdserve.tokenizer import Tokenizer
 from pdserve.worker_api import TokenLogprob
 
 DONE = "data: [DONE]\n\n"
+
+
+def version() -> str:
+    """pdserve's installed version (what GET /version answers)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("pdserve")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+SYSTEM_FINGERPRINT = f"fp_pdserve_{version()}"  # chat responses name the backend that answered
 MEDIA_TYPE = "text/event-stream"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -64,6 +78,7 @@ class ChoiceState:
     finish_reason: str | None = None
     num_tokens: int = 0
     offset: int = 0  # characters of text so far (completion logprobs' text_offset)
+    cached_tokens: int = 0  # prompt tokens the worker took from its prefix cache
 
     @property
     def text(self) -> str:
@@ -99,19 +114,25 @@ class Renderer:
     def completion_tokens(self) -> int:
         return sum(c.num_tokens for c in self.choices)
 
-    def usage(self) -> dict[str, int]:
-        return usage(self.prompt_tokens, self.completion_tokens)
+    def usage(self) -> dict[str, Any]:
+        out: dict[str, Any] = usage(self.prompt_tokens, self.completion_tokens)
+        # the prompt counts once, as OpenAI reports it: the first choice's prefix cache hits
+        out["prompt_tokens_details"] = {"cached_tokens": self.choices[0].cached_tokens if self.choices else 0}
+        return out
 
     def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {"id": self.id, "object": self.chunk_object_name, "created": self.created,
-                               "model": self.model, "choices": choices}
+                               "model": self.model, "choices": choices, **self.fingerprint()}
         if self.include_usage:
             out["usage"] = None
         return out
 
     def usage_chunk(self) -> dict[str, Any]:
         return {"id": self.id, "object": self.chunk_object_name, "created": self.created,
-                "model": self.model, "choices": [], "usage": self.usage()}
+                "model": self.model, "choices": [], "usage": self.usage(), **self.fingerprint()}
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {}
 
     def _update(self, ev: ChoiceEvent, text: str) -> ChoiceState:
         state = self.choices[ev.index]
@@ -122,6 +143,8 @@ class Renderer:
             state.logprobs.extend(ev.batch.logprobs)
         if ev.finish_reason is not None:
             state.finish_reason = ev.finish_reason
+        if ev.cached_tokens is not None:
+            state.cached_tokens = ev.cached_tokens
         return state
 
 
@@ -157,7 +180,10 @@ class ChatRenderer(Renderer):
                     "finish_reason": c.finish_reason}
                    for i, c in enumerate(self.choices)]
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage()}
+                "choices": choices, "usage": self.usage(), **self.fingerprint()}
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {"system_fingerprint": SYSTEM_FINGERPRINT}
 
     def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
         if self.top_logprobs is None:
@@ -175,7 +201,7 @@ class ChatRenderer(Renderer):
 def _message(c: ChoiceState) -> dict[str, Any]:
     """The non-streaming message: content (null when the answer is only tool calls), reasoning
     in `reasoning_content` and mirrored in `reasoning`, calls in index order."""
-    message: dict[str, Any] = {"role": "assistant", "content": c.text}
+    message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
     if c.reasoning:
         message["reasoning_content"] = message["reasoning"] = "".join(c.reasoning)
     if c.calls:

@@ -21,27 +21,33 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pdserve.frontend.choices import ChoiceEvent, ChoiceSpec, Generation, Services
+from pdserve.frontend.admission import Admission
 from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.errors import RETRY_AFTER_S, APIError, context_too_long, invalid, model_not_found, unavailable
+from pdserve.frontend.json_calls import JsonCallDecoder
 from pdserve.frontend.output import ChatOutput, OutputDecoder, completion_decoder
 from pdserve.frontend.prompts import PromptBuilder
 from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
 from pdserve.frontend.render import DONE, ChatRenderer, CompletionRenderer, SSEResponse, error_event, event
-from pdserve.frontend.tools import ToolPolicy
+from pdserve.frontend.tools import (ToolPolicy, after_reasoning, check_constraint, output_constraint,
+                                    router_grammars)
 from pdserve.frontend.workers import WorkerPool
 from pdserve.metrics import RouterMetrics
+from pdserve.parsers import Format
+from pdserve.structured import GrammarSpec
 from pdserve.tokenizer import Tokenizer
 from pdserve.worker_api import SamplingParams
 
 logger = logging.getLogger(__name__)
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the request"
+SAMPLING_EPS = 1e-5   # temperatures below this sample greedily
 SEED_MODULUS = 2**63  # torch generators take non-negative 64-bit seeds; keep clear of the sign bit
 Renderer = ChatRenderer | CompletionRenderer
 
@@ -86,6 +92,7 @@ class Serving:
     metrics: RouterMetrics
     calls: Calls
     model_context: int          # the model's own context length, until a worker reports one
+    admission: Admission | None = None  # the bounded queue in front of the workers (admission.py)
 
     def check_model(self, name: str | None) -> str:
         """The served name for a request's "model" (None means the served model); else 404."""
@@ -95,7 +102,24 @@ class Serving:
 
     @property
     def max_model_len(self) -> int:
-        return self.config.max_model_len or self.pool.max_model_len or self.model_context
+        """The context a request may use: the smallest of --max-model-len and the workers' (each
+        worker's is reconciled with its KV pool at start, so a request within it fits)."""
+        lens = [n for n in (self.config.max_model_len, self.pool.max_model_len) if n]
+        return min(lens) if lens else self.model_context
+
+    @property
+    def kv_tokens(self) -> int | None:
+        """The tokens the smallest worker's KV pool holds (None until a worker reported)."""
+        pools = [w.info.num_blocks * w.info.block_size for w in self.pool.workers if w.info is not None]
+        return min(pools) if pools else None
+
+    def check_fits(self, prompt_len: int, param: str) -> None:
+        """400 for a prompt no worker's KV pool can hold, whatever the context says (a router
+        started with a larger --max-model-len than its workers), before any work."""
+        pool = self.kv_tokens
+        if pool is not None and prompt_len >= pool:
+            raise invalid(f"The {param} has {prompt_len} tokens; the workers' KV cache holds {pool}. "
+                          f"Please reduce the length of the {param}.", param, "context_length_exceeded")
 
 
 # ---- the two endpoints --------------------------------------------------------------------------
@@ -104,17 +128,33 @@ class Serving:
 async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: Call) -> Response:
     model = s.check_model(req.model)
     policy = ToolPolicy.of(req)
-    prompt = await s.prompts.chat(req, policy.prompt_tools, s.output.prompt_style)
-    max_tokens = resolve_max_tokens(req.output_limit, len(prompt.ids), s.max_model_len, "messages")
+    constraint = await _constraint(s, req, policy)
+    max_len = s.max_model_len
+    prompt = await s.prompts.chat(req, policy.prompt_tools, s.output.prompt_style, max_len)
+    max_tokens = resolve_max_tokens(req.output_limit, len(prompt.ids), max_len, "messages")
+    s.check_fits(len(prompt.ids), "messages")
     params = sampling_params(req, max_tokens, req.top_n, s.tokenizer.vocab_size)
+    if constraint is not None:  # JSON calls are read as raw text: their grammar starts at once
+        spec, field_ = constraint
+        params.structured = spec if field_ == "tools" else after_reasoning(spec, s.output.profile, prompt.ids)
     rooms = room_ids(call.room_base, req.n)
     specs = [ChoiceSpec(i, rooms[i], prompt.ids, p) for i, p in enumerate(expand_choices(params, req.n))]
     stop, stop_ids = req.stop_list(), req.stop_token_ids or []
     renderer = ChatRenderer(f"chatcmpl-{call.request_id}", model, len(specs), len(prompt.ids),
                             s.tokenizer, include_usage=req.include_usage, top_logprobs=req.top_n)
+    if constraint is not None and constraint[1] == "tools":  # JSON calls (structured outputs)
+        return await respond(s, call, specs, lambda _: JsonCallDecoder(s.tokenizer), renderer, req.stream)
     return await respond(s, call, specs,
                          lambda spec: s.output.decoder(spec.prompt_ids, stop, policy, stop_ids),
                          renderer, req.stream)
+
+
+async def _constraint(s: Serving, req: GenerationFields, policy: ToolPolicy | None) -> tuple[GrammarSpec, str] | None:
+    """The request's output constraint, compiled (cached) off the loop; 400 when it cannot be."""
+    constraint = output_constraint(req, policy, call_syntax=s.output.profile.format is not Format.PLAIN)
+    if constraint is not None:
+        await check_constraint(router_grammars(s.tokenizer, s.metrics), *constraint)
+    return constraint
 
 
 async def create_completion(s: Serving, req: CompletionRequest, call: Call) -> Response:
@@ -122,14 +162,17 @@ async def create_completion(s: Serving, req: CompletionRequest, call: Call) -> R
     if req.echo and req.logprobs is not None:
         raise invalid("echo together with logprobs is not supported (prompt logprobs are not computed)",
                       "echo")
-    prompts = await s.prompts.completion(req)
+    constraint = await _constraint(s, req, None)
     max_len = s.max_model_len
+    prompts = await s.prompts.completion(req, max_len)
     rooms = room_ids(call.room_base, len(prompts) * req.n)
     specs: list[ChoiceSpec] = []
     echo: list[str] = []
     for p, prompt in enumerate(prompts):
         max_tokens = resolve_max_tokens(req.max_tokens, len(prompt.ids), max_len, "prompt")
+        s.check_fits(len(prompt.ids), "prompt")
         params = sampling_params(req, max_tokens, req.logprobs, s.tokenizer.vocab_size)
+        params.structured = constraint[0] if constraint else None
         for k, choice_params in enumerate(expand_choices(params, req.n)):
             index = p * req.n + k
             specs.append(ChoiceSpec(index, rooms[index], prompt.ids, choice_params))
@@ -173,9 +216,12 @@ def sampling_params(req: GenerationFields, max_tokens: int, logprobs: int | None
     stop_ids = list(req.stop_token_ids or [])
     if any(not 0 <= t < vocab_size for t in stop_ids):
         raise invalid(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    # a nucleus of mass 0 holds only the most likely token; a temperature under SAMPLING_EPS
+    # (1e-300 is schema-valid) would overflow the logits' division: both are greedy, as in vLLM
+    greedy = req.top_p == 0 or (req.temperature is not None and req.temperature < SAMPLING_EPS)
     params = SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
+        temperature=0.0 if greedy else 1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None or greedy else req.top_p,
         top_k=max(req.top_k or 0, 0),
         min_p=req.min_p or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
@@ -213,23 +259,65 @@ async def respond(s: Serving, call: Call, specs: list[ChoiceSpec],
     if s.calls.closing:  # the drain timeout passed while this request was being read
         raise unavailable("The server is shutting down; retry the request.")
     batch = s.config.stream_batch if stream else 1 << 30
-    gen = Generation(specs, make_decoder, s.pool, s.services, batch)  # 503 before start
+    if s.admission is None:
+        gen = Generation(specs, make_decoder, s.pool, s.services, batch)  # 503 before start
+    else:
+        async with s.admission.admit(len(specs)) as ticket:  # waits for room; 429 when there is none
+            gen = Generation(specs, make_decoder, ticket, s.services, batch)
     logger.info("[%s] %s: %d choice(s), %d prompt tokens, stream=%s, workers %s", call.request_id,
                 call.endpoint, len(specs), renderer.prompt_tokens, stream,
                 ", ".join(sorted({r.route.decode.url for r in gen.runs})))
     gen.start()
     tracker = CallTracker(s.calls, s.metrics, call, renderer, gen)
     if stream:
-        return SSEResponse(_stream(gen, renderer, tracker), on_close=tracker.finish)
+        events = gen.events()
+        first = await _first_event(events, tracker, call.http)
+        if isinstance(first, Response):
+            return first
+        return SSEResponse(_stream(first, events, renderer, tracker), on_close=tracker.finish)
     return await _collect(gen, renderer, tracker, call.http)
 
 
-async def _stream(gen: Generation, renderer: Renderer, tracker: CallTracker) -> AsyncGenerator[str, None]:
-    """The SSE body. Its end, however it comes, is handled by `tracker.finish` (the response
-    calls it even when the client left before the first byte and this never ran)."""
+async def _first_event(events: AsyncIterator[ChoiceEvent], tracker: CallTracker,
+                       http: Request) -> ChoiceEvent | None | Response:
+    """A stream's status waits for its first event, so that an error found before the first
+    token (a worker's refusal, a worker lost during prefill) is a real HTTP status with its
+    param, not a 200 stream holding one error event. A Response when the call ends here."""
+    first = asyncio.ensure_future(anext(events, None))
+    gone = asyncio.create_task(_disconnected(http))
+    streaming = False
+    try:
+        await asyncio.wait({first, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not first.done():
+            logger.info("[%s] client went away before the first token; aborting", tracker.call.request_id)
+            return Response(status_code=CLIENT_CLOSED)
+        ev = first.result()
+        if ev is None or ev.error is None:
+            streaming = True  # the stream's response owns the call's end from here
+            return ev
+        tracker.saw(ev)
+        tracker.status = ev.error.status
+        return _error_response(ev.error)
+    finally:
+        gone.cancel()
+        if not streaming:
+            first.cancel()
+            tracker.finish()
+
+
+def _error_response(error: APIError) -> JSONResponse:
+    retry = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
+    return JSONResponse(error.body(), status_code=error.status, headers=retry)
+
+
+async def _stream(first: ChoiceEvent | None, events: AsyncIterator[ChoiceEvent], renderer: Renderer,
+                  tracker: CallTracker) -> AsyncGenerator[str, None]:
+    """The SSE body, from the first event on. Its end, however it comes, is handled by
+    `tracker.finish` (the response calls it even when the client left before the first byte
+    and this never ran)."""
     for chunk in renderer.opening():
         yield event(chunk)
-    async for ev in gen.events():
+    async for ev in _chain(first, events):
         tracker.saw(ev)
         if ev.error is not None:
             tracker.status = ev.error.status
@@ -241,6 +329,14 @@ async def _stream(gen: Generation, renderer: Renderer, tracker: CallTracker) -> 
         yield event(renderer.usage_chunk())
     yield DONE
     tracker.status = 200
+
+
+async def _chain(first: ChoiceEvent | None, rest: AsyncIterator[ChoiceEvent]) -> AsyncIterator[ChoiceEvent]:
+    if first is None:
+        return
+    yield first
+    async for ev in rest:
+        yield ev
 
 
 async def _collect(gen: Generation, renderer: Renderer, tracker: CallTracker, http: Request) -> Response:

@@ -21,6 +21,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from pdserve.frontend.admission import Admission, AdmissionConfig
 from pdserve.frontend.choices import Services
 from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.discovery import Discovery, Target, parse_target
@@ -49,16 +50,23 @@ class Router:
         self.metrics = RouterMetrics(config.served_model_name)
         output = ChatOutput.load(config.model_dir, tokenizer, config.tool_call_parser)  # chat output parsing
         output.on_diagnostic = self.metrics.parser_diagnostic
-        self.client = WorkerClient(config.connect_timeout_s, config.health_timeout_s)
+        self.client = WorkerClient(config.connect_timeout_s, config.health_timeout_s, config.internal_token)
         self.pool = WorkerPool(self.client, config.prefill_urls, config.decode_urls, config.worker_urls,
-                               interval_s=config.health_interval_s, timeout_s=config.health_timeout_s,
-                               dead_after_s=config.dead_after_s, wedged_grace_s=config.wedged_grace_s)
+                               interval_s=config.health_interval_s,
+                               idle_interval_s=config.idle_health_interval_s, timeout_s=config.health_timeout_s,
+                               slow_after_s=config.slow_after_s, dead_after_s=config.dead_after_s,
+                               wedged_grace_s=config.wedged_grace_s)
+        self.admission = Admission(self.pool, AdmissionConfig(
+            max_queue=config.max_queue, queue_timeout_s=config.queue_timeout_s,
+            worker_capacity=config.worker_capacity, max_running=config.max_running))
+        self.metrics.watch_admission(self.admission)
         targets = _targets(config)
         self.discovery = Discovery(self.pool, targets, config.discover_interval_s) if targets else None
         self.calls = Calls()
         services = Services(self.client, self.spawn, config.abort_timeout_s, self.metrics.aborted)
         self.serving = Serving(config, tokenizer, PromptBuilder(tokenizer, config.inline_tokenize_chars), output,
-                               self.pool, services, self.metrics, self.calls, _model_context(config))
+                               self.pool, services, self.metrics, self.calls, _model_context(config),
+                               self.admission)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._background: list[asyncio.Task[Any]] = []
         self._tick = time.monotonic()         # the heartbeat's last turn

@@ -6,22 +6,39 @@ end of a choice.
   mode EMIT) only when the request has tools and `tool_choice` is not "none"; otherwise they
   are parsed and swallowed (SUPPRESS), so markup never reaches `content`.
 * `tool_choice: "none"` also leaves the tools out of the prompt, so the model answers in text.
-* `"required"` and a named function are enforced by validation, not constrained decoding:
-  when the model ends on its own (finish reason "stop") without a complete call, the choice
+* `"required"` and a named function, for a model without a call syntax of its own (the
+  default model): enforced by grammar-constrained decoding. The output is a JSON call
+  `{"name", "arguments"}` (or a list of them) that `json_calls` answers as `tool_calls`;
+  `strict: true` on the tools makes unsupported schema keywords a 400 instead of ignored.
+* For models with a call syntax (DSML, GLM, Hermes) they are enforced by validation: when the
+  model ends on its own (finish reason "stop") without a complete call, the choice
   fails with a 500 error object (`code: "tool_choice_not_satisfied"`), in a stream as its last
   event. A choice cut by `max_tokens` is answered as it is, with finish reason "length". With a
   named function, calls to other functions are swallowed (the message names them).
+
+`output_constraint` gathers a request's one output constraint (response_format, vLLM's
+structured_outputs, or the tool-call grammar) and compiles it here, off the event loop, so a
+bad schema is a 400 naming its field before anything reaches a worker.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import json
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdserve.frontend.errors import APIError
-from pdserve.frontend.protocol import ChatCompletionRequest, named_function
+from pdserve.frontend.errors import APIError, invalid
+from pdserve.frontend.protocol import ChatCompletionRequest, GenerationFields, named_function
 from pdserve.parsers import ParamSchema, Profile, ToolsMode, prompt_opens_reasoning, tool_schemas
 from pdserve.parsers.options import ParserOptions
+from pdserve.structured import GrammarKind, GrammarObserver, Grammars, GrammarSpec
+from pdserve.structured.factory import grammars_for_tokenizer
+from pdserve.structured.spec import (GUIDED_FIELDS, SpecError, from_response_format, from_vllm, tool_call_schema,
+                                     tools_strict)
+from pdserve.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -45,6 +62,15 @@ class ToolPolicy:
                    required=choice == "required" or function is not None, function=function,
                    parallel=req.parallel_tool_calls is not False, separate_reasoning=req.separate_reasoning,
                    schemas=tool_schemas(tools) if emit else {})
+
+    def call_grammar(self) -> GrammarSpec | None:
+        """The JSON-call grammar enforcing `"required"` or a named function (for models
+        without a call syntax); None when tool_choice asks for no call."""
+        if not self.required or not self.prompt_tools:
+            return None
+        schema = tool_call_schema(self.prompt_tools, self.function, self.parallel)
+        return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")),
+                           strict=tools_strict(self.prompt_tools, self.function))
 
     def parser_options(self, profile: Profile, prompt_ids: Sequence[int], stop_ids: frozenset[int],
                        call_id_prefix: str) -> ParserOptions:
@@ -72,3 +98,58 @@ class ToolPolicy:
                        f"{other}. pdserve checks tool_choice after generation and does not constrain "
                        "decoding; retry, or use tool_choice \"auto\".",
                        500, "server_error", "tool_choice", "tool_choice_not_satisfied")
+
+
+# ---- the output constraint ----------------------------------------------------------------------
+
+_GRAMMARS: weakref.WeakKeyDictionary[Tokenizer, Grammars] = weakref.WeakKeyDictionary()
+
+
+def router_grammars(tokenizer: Tokenizer, observer: GrammarObserver | None = None) -> Grammars:
+    """The router's grammar cache of `tokenizer` (one per tokenizer, kept as long as it lives)."""
+    grammars = _GRAMMARS.get(tokenizer)
+    if grammars is None:
+        grammars = _GRAMMARS[tokenizer] = grammars_for_tokenizer(tokenizer)
+    if observer is not None:
+        grammars.observer = observer
+    return grammars
+
+
+def output_constraint(req: GenerationFields, policy: ToolPolicy | None, call_syntax: bool
+                      ) -> tuple[GrammarSpec, str] | None:
+    """The request's one output constraint and the field it came from; 400 when malformed or
+    when more than one field asks for one. `call_syntax`: the model writes calls its own way
+    (tool_choice is then checked after generation, not constrained)."""
+    found: list[tuple[GrammarSpec, str]] = []
+    try:
+        rf = from_response_format(getattr(req, "response_format", None))
+        if rf is not None:
+            found.append((rf, "response_format"))
+        guided = {k: getattr(req, k) for k in GUIDED_FIELDS if getattr(req, k, None) is not None}
+        extra = from_vllm(getattr(req, "structured_outputs", None), guided)
+        if extra is not None:
+            found.append((extra, "structured_outputs" if req.structured_outputs is not None else next(iter(guided))))
+    except SpecError as e:
+        raise invalid(str(e), e.param) from None
+    calls = policy.call_grammar() if policy is not None and not call_syntax else None
+    if calls is not None:
+        found.append((calls, "tools"))
+    if len(found) > 1:
+        raise invalid(f"only one output constraint per request: {' and '.join(p for _, p in found)} both ask "
+                      "for one", found[1][1])
+    return found[0] if found else None
+
+
+async def check_constraint(grammars: Grammars, spec: GrammarSpec, param: str) -> None:
+    """Compile `spec` (cached) in a thread; a 400 naming `param` with the reason when it fails."""
+    why = await asyncio.to_thread(grammars.check, spec)
+    if why is not None:
+        what = "the tools' parameters" if param == "tools" else param
+        raise invalid(f"{what} cannot be enforced: {why}", param)
+
+
+def after_reasoning(spec: GrammarSpec, profile: Profile, prompt_ids: Sequence[int]) -> GrammarSpec:
+    """When the prompt opens a reasoning section, the output's grammar starts after it ends."""
+    if profile.think is None or not prompt_opens_reasoning(profile, prompt_ids):
+        return spec
+    return dataclasses.replace(spec, start_after=profile.think.end)

@@ -47,17 +47,27 @@ class Probe:
         return self.answered and self.status == "ok"
 
 
+KEEPALIVE_EXPIRY_S = 2.0
+
+
 class WorkerClient:
-    def __init__(self, connect_timeout_s: float = 3.0, control_timeout_s: float = 2.0) -> None:
+    def __init__(self, connect_timeout_s: float = 3.0, control_timeout_s: float = 2.0,
+                 internal_token: str | None = None) -> None:
+        # Workers that require the internal token (--internal-token) get it on every call.
+        headers = {"Authorization": f"Bearer {internal_token}"} if internal_token else None
+        # An idle connection is dropped well before the workers' uvicorn closes it (5 s): reusing
+        # one as the server closes it fails the call with a ReadError (seen on /prefill).
         self.streams = httpx.AsyncClient(
-            trust_env=False,
+            trust_env=False, headers=headers,
             timeout=httpx.Timeout(None, connect=connect_timeout_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
         self.control = httpx.AsyncClient(
-            trust_env=False,
+            trust_env=False, headers=headers,
             timeout=httpx.Timeout(control_timeout_s),
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=64),
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=64,
+                                keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
 
     async def aclose(self) -> None:

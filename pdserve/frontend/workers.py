@@ -1,11 +1,16 @@
 """The workers the router knows, their health and load, and which ones a new request goes to.
 
-A poller asks every worker for /health and /load every ``health_interval_s``. A worker whose
-port refuses connections, that has not answered for ``dead_after_s``, or that reports it failed
-is taken out of rotation and every request in flight on it fails at once (so a client learns
-within about two seconds, not at a read timeout). A worker that reports itself wedged (no loop
-step for a while) or draining gets no new requests; a wedged one's requests fail once it has
-been unwell for ``wedged_grace_s``. A worker is put back as soon as it answers healthy again.
+A poller asks every worker for /health and /load every ``health_interval_s``. Busy is not dead
+(docs/liveness.md):
+
+* **Dead**: its port refuses connections, or it reports that it failed. It is taken out of
+  rotation and every request in flight on it fails at once.
+* **Slow**: no answer for ``slow_after_s`` (a saturated CPU, a long step, a paused process).
+  It gets no new requests; those in flight on it go on. It is back as soon as it answers.
+* **Silent past the bound**: no answer for ``dead_after_s`` (tens of seconds): counted dead.
+
+A worker that reports itself wedged (no loop step for a while) or draining gets no new requests;
+a wedged one's requests fail once it has been unwell for ``wedged_grace_s``.
 
 The set of workers can change while serving (``sync``, from DNS discovery): a new worker joins
 once it answers healthy; a worker that disappeared from its source retires (no new requests)
@@ -34,6 +39,25 @@ class InFlight(Protocol):
     def fail(self, error: APIError) -> None: ...
 
 
+class InFlightSet(set):
+    """A worker's requests in flight. When one leaves, `on_leave` runs: a queued request may
+    now fit (admission.py)."""
+
+    on_leave: Callable[[], None] | None = None
+
+    def discard(self, item: object) -> None:
+        if item in self:
+            super().discard(item)
+            if self.on_leave is not None:
+                self.on_leave()
+
+    def clear(self) -> None:
+        had = bool(self)
+        super().clear()
+        if had and self.on_leave is not None:
+            self.on_leave()
+
+
 @dataclass(eq=False)
 class WorkerEndpoint:
     """One worker as the router sees it: its URL and role, what it last said, what runs there."""
@@ -47,7 +71,10 @@ class WorkerEndpoint:
     load: Load = field(default_factory=Load)
     last_ok: float = 0.0
     last_pick: float = 0.0
-    inflight: set[InFlight] = field(default_factory=set)
+    asked_since: float | None = None  # when the oldest probe not answered yet was sent
+    slow: bool = False          # silent for slow_after_s: no new requests, those in flight go on
+    reserved: int = 0           # admitted requests not yet started here (admission.py)
+    inflight: InFlightSet = field(default_factory=InFlightSet)
     source: str | None = None   # the discovery target (NAME:PORT) it came from; None: given as a URL
     retired: bool = False       # gone from its source: no new requests, removed once idle
 
@@ -57,15 +84,25 @@ class WorkerEndpoint:
         return self.info.worker_id if self.info is not None and self.info.worker_id else None
 
     @property
-    def available(self) -> bool:
-        """Takes new requests (a prefill worker only once its worker id is known)."""
+    def in_rotation(self) -> bool:
+        """Alive and not leaving: takes new requests now or once it answers again (slow)."""
         return (self.healthy and not self.draining and not self.retired
                 and (self.role is not Role.PREFILL or bool(self.worker_id)))
 
+    @property
+    def available(self) -> bool:
+        """Takes new requests now (a prefill worker only once its worker id is known)."""
+        return self.in_rotation and not self.slow
+
+    @property
+    def max_num_seqs(self) -> int:
+        """What it reported in /info (0: unknown)."""
+        return self.info.max_num_seqs if self.info is not None else 0
+
     def score(self) -> int:
         """Requests queued or running here: the worker's last report, or the router's own count
-        of requests it sent since then, whichever is larger."""
-        return max(self.load.queued, len(self.inflight))
+        of requests it sent since then (and those admitted for it), whichever is larger."""
+        return max(self.load.queued, len(self.inflight)) + self.reserved
 
 
 class Route(NamedTuple):
@@ -75,21 +112,32 @@ class Route(NamedTuple):
 
 class WorkerPool:
     def __init__(self, client: WorkerClient, prefill: list[str], decode: list[str], both: list[str],
-                 *, interval_s: float = 0.5, timeout_s: float = 5.0, dead_after_s: float = 1.5,
-                 wedged_grace_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 *, interval_s: float = 0.5, idle_interval_s: float = 2.0, timeout_s: float = 5.0,
+                 slow_after_s: float = 1.5,
+                 dead_after_s: float = 30.0, wedged_grace_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic,
                  on_health: Callable[[WorkerEndpoint], None] | None = None) -> None:
         self.client = client
         self.workers = ([WorkerEndpoint(_norm(u), Role.PREFILL) for u in prefill]
                         + [WorkerEndpoint(_norm(u), Role.DECODE) for u in decode]
                         + [WorkerEndpoint(_norm(u), Role.BOTH) for u in both])
         self.interval_s = interval_s
+        self.idle_interval_s = max(interval_s, idle_interval_s)
         self.timeout_s = timeout_s
+        self.slow_after_s = min(slow_after_s, dead_after_s)
         self.dead_after_s = dead_after_s
         self.wedged_grace_s = wedged_grace_s
         self.clock = clock
         self.on_health = on_health
+        self.on_change: Callable[[], None] | None = None  # room may have appeared (admission.py)
         self._pollers: dict[WorkerEndpoint, asyncio.Task[None]] = {}
         self._running = False
+        for w in self.workers:
+            w.inflight.on_leave = self._changed
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     # ---- choosing ------------------------------------------------------------------------------
 
@@ -98,14 +146,19 @@ class WorkerPool:
 
     @property
     def ready(self) -> bool:
-        """At least one prefill and one decode worker, or one colocated worker, take requests."""
-        up = {w.role for w in self.workers if w.available}
+        """At least one prefill and one decode worker, or one colocated worker, are in rotation
+        (a slow one counts: requests wait for it in the admission queue)."""
+        up = {w.role for w in self.workers if w.in_rotation}
         return Role.BOTH in up or {Role.PREFILL, Role.DECODE} <= up
 
-    def pick(self) -> Route:
-        """The least-loaded decode-capable worker, and for a decode worker the least-loaded prefill."""
-        prefill = _least_loaded([w for w in self.of_role(Role.PREFILL) if w.available])
-        candidates = [w for w in self.workers if w.available and
+    def pick(self, fits: Callable[[WorkerEndpoint], bool] | None = None) -> Route:
+        """The least-loaded decode-capable worker, and for a decode worker the least-loaded
+        prefill; only workers for which `fits` holds (admission: those with room)."""
+        def ok(w: WorkerEndpoint) -> bool:
+            return w.available and (fits is None or fits(w))
+
+        prefill = _least_loaded([w for w in self.of_role(Role.PREFILL) if ok(w)])
+        candidates = [w for w in self.workers if ok(w) and
                       (w.role is Role.BOTH or (w.role is Role.DECODE and prefill is not None))]
         decode = _least_loaded(candidates)
         if decode is None:
@@ -128,8 +181,8 @@ class WorkerPool:
         """Probe every worker every `interval_s`, and watch for silence, forever (cancel to stop).
 
         Probes do not wait for each other: a slow answer does not delay the next question, and a
-        worker counts as silent when no answer at all came for `dead_after_s`, however long one
-        probe's timeout is.
+        worker counts as slow when no answer at all came for `slow_after_s` (dead after
+        `dead_after_s`), however long one probe's timeout is.
         """
         self._running = True
         try:
@@ -153,7 +206,9 @@ class WorkerPool:
                     task = asyncio.create_task(self._probe_safely(w))
                     pending.add(task)
                     task.add_done_callback(pending.discard)
-                await asyncio.sleep(self.interval_s)
+                # An idle worker in rotation is asked less often: an idle server costs nothing.
+                busy = w.inflight or w.reserved or not w.available
+                await asyncio.sleep(self.interval_s if busy else self.idle_interval_s)
         finally:
             for task in pending:
                 task.cancel()
@@ -168,9 +223,10 @@ class WorkerPool:
             if late > 0.25:  # our own loop stalled: answers may be waiting unread; look next time
                 continue
             for w in list(self.workers):
-                if (w.healthy or w.inflight) and now - w.last_ok >= self.dead_after_s:
+                if (w.healthy or w.inflight) and self.silence(w, now) >= self.slow_after_s:
                     self.observe(w, Probe(False, "unreachable"))
             self._drop_retired()
+            self._changed()  # a queued request waits for time as well as for room
 
     async def _probe_safely(self, w: WorkerEndpoint) -> None:
         try:
@@ -191,6 +247,7 @@ class WorkerPool:
         added = [WorkerEndpoint(url, role, source=source) for url in sorted(wanted - known.keys())]
         for w in added:
             logger.info("discovered %s worker %s (from %s)", role.value, w.url, source)
+            w.inflight.on_leave = self._changed
             self.workers.append(w)
             if self._running:
                 self._start_polling(w)
@@ -209,7 +266,14 @@ class WorkerPool:
             if task is not None:
                 task.cancel()
 
+    def silence(self, w: WorkerEndpoint, now: float) -> float:
+        """How long a question to `w` has gone unanswered (since its last answer when none is
+        pending): the time it takes to answer, not how often it is asked."""
+        return now - (w.asked_since if w.asked_since is not None else w.last_ok)
+
     async def probe(self, w: WorkerEndpoint) -> None:
+        if w.asked_since is None:
+            w.asked_since = self.clock()
         probe = await self.client.health(w.url, self.timeout_s)
         answered_at = self.clock()
         if probe.ok and w.info is None:
@@ -220,34 +284,49 @@ class WorkerPool:
             if load is not None:
                 w.load = load
         self.observe(w, probe, answered_at)
+        self._changed()
 
     def observe(self, w: WorkerEndpoint, probe: Probe, answered_at: float | None = None) -> None:
         """Apply one probe result to a worker (pure state change; no I/O)."""
         now = self.clock()
         at = now if answered_at is None else answered_at
-        was = (w.healthy, w.draining)
+        was = (w.healthy, w.draining, w.slow)
         w.status = probe.status
         what = f"worker {w.url} ({w.role.value}) is {probe.status}"
+        silence = self.silence(w, now)
+        if probe.answered:
+            w.asked_since = None
         if probe.ok or (probe.answered and probe.status == "draining"):
             w.healthy, w.draining, w.last_ok = True, probe.status == "draining", max(w.last_ok, at)
+            w.slow = False
         elif probe.answered and probe.status == "wedged":
             # Its loop made no step for a while: no new requests. A long step under load looks
             # the same at first, so its requests get `wedged_grace_s` more before they fail.
-            w.healthy = w.draining = False
-            if now - w.last_ok >= self.wedged_grace_s:
+            w.healthy = w.draining = w.slow = False
+            if silence >= self.wedged_grace_s:
                 self.fail_inflight(w, what)
-        elif probe.answered or probe.status == "refused" or now - w.last_ok >= self.dead_after_s:
-            # It says it failed, its port is closed, or it stopped answering.
-            w.healthy = w.draining = False
+        elif probe.answered or probe.status == "refused":
+            # It says it failed, or its port is closed (the process is gone): dead now.
+            w.healthy = w.draining = w.slow = False
             self.fail_inflight(w, what)
+        elif silence >= self.dead_after_s:
+            # Silence past the bound: a process that answers nothing for this long is dead to us.
+            w.healthy = w.draining = w.slow = False
+            self.fail_inflight(w, f"worker {w.url} ({w.role.value}) did not answer for {silence:.0f} s "
+                                  f"(the bound is {self.dead_after_s:g} s)")
+        elif silence >= self.slow_after_s and w.healthy:
+            w.slow = True  # busy or paused: keep what runs there, send nothing new for now
         if not w.healthy:
             w.info = None  # read again when it is back: it may be a new process
-        if (w.healthy, w.draining) != was:
-            logger.info("worker %s (%s) is now %s (status %s, last answer %.1f s ago)", w.url, w.role.value,
-                        "draining" if w.draining else "healthy" if w.healthy else "out of rotation",
-                        probe.status, now - w.last_ok)
+        if (w.healthy, w.draining, w.slow) != was:
+            state = ("draining" if w.draining else "slow (no new requests)" if w.slow
+                     else "healthy" if w.healthy else "out of rotation")
+            log = logger.info if w.healthy else logger.warning
+            log("worker %s (%s) is now %s (status %s, last answer %.1f s ago)", w.url, w.role.value,
+                state, probe.status, now - w.last_ok)
             if self.on_health is not None:
                 self.on_health(w)
+            self._changed()
 
     def fail_inflight(self, w: WorkerEndpoint, reason: str) -> None:
         """Every request in flight on `w` fails now with 503."""

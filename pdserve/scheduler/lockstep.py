@@ -9,6 +9,11 @@ nothing else, so no rank can be in a different collective than another.
 4. Apply: every rank applies the plan in the same order and runs the batch; the model's
    collectives follow from the plan alone. Only rank 0 samples; its tokens travel in the next
    step's plan.
+
+Structured outputs follow the same rule: the grammar mask is part of sampling, so grammar
+matchers live only where sampling happens, on rank 0 (`Sequence.grammar`, started by the
+sampler). Other ranks never build one: they follow rank 0's tokens from the plan, so a
+grammar decision cannot differ between ranks, and no rank waits on a grammar compile.
 """
 from __future__ import annotations
 
@@ -120,6 +125,7 @@ def state_digest(scheduler: Scheduler, trace_digest: str) -> dict[str, str]:
         "block_tables": h([(r, s.block_table) for r, s in seqs] +
                           sorted((r, s.block_table) for r, s in scheduler.held.items())),
         "pool": h((scheduler.allocator.num_free, scheduler.allocator.num_used)),
+        "cache": scheduler.allocator.digest(),  # holders, LRU order and the prefix index
         "collectives": trace_digest,
     }
 

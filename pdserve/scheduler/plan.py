@@ -55,6 +55,7 @@ class SampledToken:
     request_id: str
     token_id: int
     logprobs: TokenLogprobs | None = None
+    cached_tokens: int = 0  # a first token from prefill: prompt tokens the prefill took from its cache
 
 
 class TransferKind(Enum):
@@ -79,10 +80,13 @@ class TransferOutcome:
 
 @dataclass
 class ScheduledChunk:
-    """Compute the next `num_tokens` pending tokens of a request; sample if that reaches its end."""
+    """Compute the next `num_tokens` pending tokens of a request; sample if that reaches its end.
+    `cached`: on a request's first chunk, the leading tokens whose KV it takes from the prefix
+    cache (whole blocks) instead of computing; the chunk starts after them."""
 
     request_id: str
     num_tokens: int
+    cached: int = 0
 
 
 @dataclass
@@ -117,3 +121,4 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     room_blocks: list[int] | None = None  # decode: blocks allocated for the room's KV
+    cached_tokens: int | None = None  # with the finish: prompt tokens this worker took from its cache

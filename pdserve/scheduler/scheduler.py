@@ -1,8 +1,20 @@
-"""Continuous batching with chunked prefill and preemption by recompute.
+"""Continuous batching with chunked prefill, a prefix cache, and preemption by recompute.
 
 `plan()` (rank 0 only) is a pure function of the scheduler state and its inputs: it never
 mutates anything, so it can be tested without processes. `apply()` (every rank) is the only
 place where requests change state and blocks change hands.
+
+Prefix cache, lockstep-safe: the plan says how many tokens each newly scheduled request takes
+from the cache (`ScheduledChunk.cached`); every rank then takes exactly that many leading
+blocks of the request's chain from its own cache (which is identical on every rank, since it
+changes only in `apply`, deterministically), before any block is allocated in the step, so
+the blocks the plan counted on cannot be evicted under it. Evictions happen only inside
+`BlockAllocator.allocate`, in LRU order: a function of the plan too.
+
+Admission (who starts running) leaves a reserve of one block per running stream for their
+growth, and wants the whole prompt's blocks at once; when running streams need blocks anyway,
+the most recently admitted is preempted first, and a request alone in the running batch is
+never preempted (it waits for held rooms to give blocks back instead).
 """
 from __future__ import annotations
 
@@ -11,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.sequence import FinishReason, KVRole, Sequence, SequenceStatus
-from pdserve.kvcache import BlockAllocator
+from pdserve.kvcache import BlockAllocator, BlockHash, extend_hashes
 from pdserve.logs import about
 
 from .lifecycle import HeldEvent, ended
@@ -28,6 +40,35 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # the chunked-prefill token budget of one step
     max_model_len: int = 8192
+    cache_salt: bytes = b""  # starts every block-name chain (kvcache/prefix.py: salt_of)
+
+
+class _Books:
+    """The planner's projection of the allocator: blocks an allocation could have (`free`)
+    after this step's releases and cache hits, counted as `apply` will count them."""
+
+    def __init__(self, allocator: BlockAllocator):
+        self.allocator = allocator
+        self.free = allocator.num_free
+        self._delta: dict[int, int] = {}  # block → holders gained (+) or dropped (-) this step
+
+    def _refs(self, b: int) -> int:
+        return self.allocator.refcount(b) + self._delta.get(b, 0)
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self._delta[b] = self._delta.get(b, 0) - 1
+            if self._refs(b) == 0:  # its last holder: empty or cached, either way allocatable
+                self.free += 1
+
+    def take_cost(self, blocks: list[int]) -> int:
+        """Allocatable blocks that taking these cached blocks uses up (those nobody holds)."""
+        return sum(1 for b in blocks if self._refs(b) == 0)
+
+    def take(self, blocks: list[int]) -> None:
+        self.free -= self.take_cost(blocks)
+        for b in blocks:
+            self._delta[b] = self._delta.get(b, 0) + 1
 
 
 @dataclass
@@ -36,8 +77,8 @@ class _Ends:
     blocks that come back, held rooms whose KV landed, and every held request's new status."""
 
     held: dict[str, SequenceStatus]
+    books: _Books
     gone: set[str] = field(default_factory=set)
-    freed: int = 0
     arrived: list[SampledToken] = field(default_factory=list)
 
 
@@ -49,7 +90,8 @@ class _Slot:
     request_id: str
     num_computed: int
     num_pending: int
-    num_blocks: int
+    blocks: list[int]
+    prompt: list[int] | None = None  # an admitted request not yet a Sequence
 
 
 class Scheduler:
@@ -74,12 +116,13 @@ class Scheduler:
         outcomes agreed this step."""
         plan = StepPlan(step=step, sampled=list(sampled), transfers=list(transfers),
                         shutdown=inbox.shutdown)
-        ends = _Ends({rid: seq.status for rid, seq in self.held.items()})
+        ends = _Ends({rid: seq.status for rid, seq in self.held.items()}, _Books(self.allocator))
         self._end_sampled(ends, sampled)
         self._end_transfers(ends, transfers)
         plan.aborted = self._end_aborted(ends, inbox.aborts)
-        free = self._admit(plan, inbox, self.allocator.num_free + ends.freed)
-        plan.batch, plan.preempted = self._schedule(ends.gone, sampled, ends.arrived, plan.admitted, free)
+        self._admit(plan, inbox, ends.books)
+        plan.batch, plan.preempted = self._schedule(ends.gone, sampled, ends.arrived, plan.admitted,
+                                                    ends.books)
         return plan
 
     def _end_sampled(self, ends: _Ends, sampled: list[SampledToken]) -> None:
@@ -88,7 +131,8 @@ class Scheduler:
             reason = seq and seq.stop_reason(s.token_id, len(seq.output_ids) + 1)
             if reason:
                 ends.gone.add(s.request_id)
-                ends.freed += len(seq.block_table) if ended(reason) is SequenceStatus.FINISHED else 0
+                if ended(reason) is SequenceStatus.FINISHED:
+                    ends.books.release(seq.block_table)
 
     def _end_transfers(self, ends: _Ends, transfers: list[TransferOutcome]) -> None:
         """Held requests move as apply() will move them: by the same table (lifecycle.step)."""
@@ -101,7 +145,7 @@ class Scheduler:
             if move.status is SequenceStatus.RUNNING and not seq.stop_reason(t.token.token_id, 1):
                 ends.arrived.append(t.token)
             elif move.status is SequenceStatus.RUNNING or move.frees_blocks:
-                ends.freed += len(seq.block_table)  # ran and ended on its first token, or released
+                ends.books.release(seq.block_table)  # ran and ended on its first token, or released
                 ends.gone.add(t.request_id)
 
     def _end_aborted(self, ends: _Ends,
@@ -115,10 +159,10 @@ class Scheduler:
             if status is None:  # waiting or running (or unknown)
                 if rid not in self.seqs:
                     continue
-                ends.freed += len(self.seqs[rid].block_table)
+                ends.books.release(self.seqs[rid].block_table)
             elif status is SequenceStatus.RUNNING:  # its KV landed this step: it ran, now it ends
                 ends.arrived = [a for a in ends.arrived if a.request_id != rid]
-                ends.freed += len(self.held[rid].block_table)
+                ends.books.release(self.held[rid].block_table)
             elif status.held:
                 move = held_step(status, HeldEvent.ABORT)
                 if move.finish is None:
@@ -130,8 +174,8 @@ class Scheduler:
             ends.gone.add(rid)
         return out
 
-    def _admit(self, plan: StepPlan, inbox: Inbox, free: int) -> int:
-        """Admit, reject or defer the new requests; the blocks still free for the batch."""
+    def _admit(self, plan: StepPlan, inbox: Inbox, books: _Books) -> None:
+        """Admit, reject or defer the new requests (a decode room takes its blocks now)."""
         seen = set(self.seqs)
         aborted_now = {rid for rid, _ in inbox.aborts}
         for req in inbox.new:
@@ -142,15 +186,14 @@ class Scheduler:
                 plan.rejected.append((req.request_id, "aborted before it started"))
             elif req.kv is KVRole.DECODE:
                 need = self._blocks_for(len(req.prompt_ids))
-                if need > free:
+                if need > books.free:
                     plan.deferred.append(req)
                     continue
-                free -= need
+                books.free -= need
                 plan.admitted.append(req)
             else:
                 plan.admitted.append(req)
             seen.add(req.request_id)
-        return free
 
     def _admission_error(self, req: NewRequest, seen: set[str]) -> str | None:
         if req.request_id in seen:
@@ -167,20 +210,46 @@ class Scheduler:
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 
+    def _names(self, seq: Sequence, num_blocks: int) -> list[BlockHash]:
+        """The names of `seq`'s first `num_blocks` full blocks (kept on the sequence, extended
+        as it grows: its tokens before the last named block never change)."""
+        if len(seq.block_hashes) < num_blocks:
+            bs = self.config.block_size
+            extend_hashes(seq.block_hashes, seq.token_ids[:num_blocks * bs], bs, self.config.cache_salt)
+        return seq.block_hashes[:num_blocks]
+
+    def _cache_hit(self, slot: _Slot) -> tuple[list[int], int]:
+        """What a request starting from nothing can reuse: the longest cached chain of its full
+        blocks that leaves at least its last token to compute (its logits) — the device blocks
+        that hold its start, and how many more blocks the host tier holds after them."""
+        if not self.allocator.caching or slot.num_computed:
+            return [], 0
+        num_tokens = slot.num_pending
+        usable = (num_tokens - 1) // self.config.block_size
+        if usable == 0:
+            return [], 0
+        if slot.seq is None:
+            bs = self.config.block_size
+            names = extend_hashes([], slot.prompt[:usable * bs], bs, self.config.cache_salt)
+        else:
+            names = self._names(slot.seq, usable)
+        hit = self.allocator.lookup(names)
+        return hit, self.allocator.host_chain(names[len(hit):])
+
     def _schedule(self, gone: set[str], sampled: list[SampledToken], arrived: list[SampledToken],
-                  admitted: list[NewRequest], free: int) -> tuple[list[ScheduledChunk], list[str]]:
+                  admitted: list[NewRequest], books: _Books) -> tuple[list[ScheduledChunk], list[str]]:
         cfg = self.config
         grown = {s.request_id for s in sampled}
         running: list[_Slot] = [
             _Slot(seq, seq.request_id, seq.num_computed, seq.num_pending + (seq.request_id in grown),
-                  len(seq.block_table))
+                  seq.block_table)
             for seq in self.running if seq.request_id not in gone]
         for tok in arrived:  # decode rooms whose KV landed: the prompt is cached, one token pending
             seq = self.held[tok.request_id]
-            running.append(_Slot(seq, seq.request_id, len(seq.prompt_ids), 1, len(seq.block_table)))
-        waiting = [_Slot(seq, seq.request_id, 0, seq.num_tokens, 0)
+            running.append(_Slot(seq, seq.request_id, len(seq.prompt_ids), 1, seq.block_table))
+        waiting = [_Slot(seq, seq.request_id, 0, seq.num_tokens, [])
                    for seq in self.waiting if seq.request_id not in gone]
-        waiting += [_Slot(None, r.request_id, 0, len(r.prompt_ids), 0) for r in admitted
+        waiting += [_Slot(None, r.request_id, 0, len(r.prompt_ids), [], r.prompt_ids) for r in admitted
                     if r.kv is not KVRole.DECODE]
 
         budget, batch, preempted = cfg.max_num_batched_tokens, [], []
@@ -191,16 +260,20 @@ class Scheduler:
                 break
             n = min(slot.num_pending, budget)
             scheduled.add(slot.request_id)
-            need = self._blocks_for(slot.num_computed + n) - slot.num_blocks
-            while need > free:  # preempt the newest running request (recomputed later)
+            need = self._blocks_for(slot.num_computed + n) - len(slot.blocks)
+            stalled = False
+            while need > books.free:  # preempt the newest running request (recomputed later)
+                if len(running) == 1 and running[0] is slot:  # alone: preempting it frees nothing another could use
+                    stalled = True
+                    break
                 victim = running.pop()
-                free += victim.num_blocks
+                books.release(victim.blocks)
                 preempted.append(victim.request_id)
                 if victim is slot:
                     break
-            if slot.request_id in preempted or n == 0:
+            if stalled or slot.request_id in preempted or n == 0:
                 continue
-            free -= need
+            books.free -= need
             budget -= n
             batch.append(ScheduledChunk(slot.request_id, n))
         if not preempted:
@@ -208,14 +281,19 @@ class Scheduler:
             for slot in waiting:
                 if budget <= 0 or num_running >= cfg.max_num_seqs:
                     break
-                n = min(slot.num_pending, budget)
-                need = self._blocks_for(n)
-                if need > free:
+                hit, from_host = self._cache_hit(slot)  # host copies need device blocks too
+                cached = (len(hit) + from_host) * cfg.block_size
+                n = min(slot.num_pending - cached, budget)
+                # the whole prompt's blocks (and its first output's), plus one block of growth
+                # for every running stream, or it waits: admitting it must not preempt them
+                whole = self._blocks_for(slot.num_pending + 1) - len(hit)
+                if whole + books.take_cost(hit) + num_running > books.free:
                     break
-                free -= need
+                books.take(hit)
+                books.free -= self._blocks_for(cached + n) - len(hit)
                 budget -= n
                 num_running += 1
-                batch.append(ScheduledChunk(slot.request_id, n))
+                batch.append(ScheduledChunk(slot.request_id, n, cached))
         return batch, preempted
 
     # ---- every rank: apply ----------------------------------------------------------------
@@ -236,19 +314,17 @@ class Scheduler:
             if seq is not None:
                 self._move_held(seq, HeldEvent.ABORT, outputs, reason=reason)
             elif (seq := self.seqs.get(rid)) is not None:
-                outputs.append(StepOutput(rid, finish_reason=reason))
+                outputs.append(StepOutput(rid, finish_reason=reason, cached_tokens=seq.cached_tokens))
                 self._finish(seq, reason)
         for rid, error in plan.rejected:
             outputs.append(StepOutput(rid, finish_reason=FinishReason.ERROR, error=error))
+        rooms = []
         for req in plan.admitted:
             seq = Sequence(req.request_id, list(req.prompt_ids), req.params, self.eos_token_ids,
                            max_len=self.config.max_model_len, arrival=req.arrival, kv=req.kv)
             self.seqs[seq.request_id] = seq
-            if req.kv is KVRole.DECODE:  # blocks now, the KV arrives later
-                seq.block_table = self.allocator.allocate(self._blocks_for(len(seq.prompt_ids)))
-                seq.status = SequenceStatus.AWAITING_KV
-                self.held[seq.request_id] = seq
-                outputs.append(StepOutput(seq.request_id, room_blocks=list(seq.block_table)))
+            if req.kv is KVRole.DECODE:
+                rooms.append(seq)
             else:
                 self.waiting.append(seq)
         for rid in reversed(plan.preempted):
@@ -256,10 +332,27 @@ class Scheduler:
             self.running.remove(seq)
             self._release(seq)
             seq.num_computed = 0
+            seq.num_named = 0
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
             self.num_preemptions += 1
             logger.info("request %s preempted (recompute later)", rid, extra=about(rid))
+        # cache hits before any allocation of the step: nothing can evict what the plan counted
+        # on (device blocks are held, host copies pinned until they are loaded)
+        loads = [(chunk, self._reuse(self.seqs[chunk.request_id], chunk.cached))
+                 for chunk in plan.batch if chunk.cached]
+        for seq in rooms:  # blocks now, the KV arrives later
+            seq.block_table = self.allocator.allocate(self._blocks_for(len(seq.prompt_ids)))
+            seq.status = SequenceStatus.AWAITING_KV
+            self.held[seq.request_id] = seq
+            outputs.append(StepOutput(seq.request_id, room_blocks=list(seq.block_table)))
+        for chunk, names in loads:
+            seq = self.seqs[chunk.request_id]
+            if names:
+                seq.block_table += self.allocator.load(names)
+                self.allocator.host.unpin(names)
+                self.allocator.num_host_hits += len(names) * self.config.block_size
+            seq.num_computed = seq.num_named = chunk.cached
         batch = []
         for chunk in plan.batch:
             seq = self.seqs[chunk.request_id]
@@ -267,11 +360,48 @@ class Scheduler:
                 self.waiting.remove(seq)
                 self.running.append(seq)
                 seq.status = SequenceStatus.RUNNING
+                if seq.cached_tokens is None:  # its first schedule: what the cache gave it
+                    seq.cached_tokens = chunk.cached
+                    if self.allocator.caching:
+                        self.allocator.count_query(len(seq.prompt_ids), chunk.cached)
             need = self._blocks_for(seq.num_computed + chunk.num_tokens) - len(seq.block_table)
             seq.block_table += self.allocator.allocate(max(0, need))
             batch.append((seq, seq.num_computed, chunk.num_tokens))
             seq.num_computed += chunk.num_tokens
+            self._name_full_blocks(seq)
         return outputs, batch
+
+    def _reuse(self, seq: Sequence, cached: int) -> list[BlockHash]:
+        """Take the plan's cache hit, the first `cached` tokens' blocks of the chain: hold its
+        device blocks now; return the names to load from the host tier (pinned until then)."""
+        n = cached // self.config.block_size
+        if seq.num_computed or seq.block_table:
+            raise RuntimeError(f"request {seq.request_id}: a cache hit for a request with KV")
+        names = self._names(seq, n)
+        blocks = self.allocator.lookup(names)[:n]
+        rest = names[len(blocks):]
+        if self.allocator.host_chain(rest) != len(rest):  # the cache differs from rank 0's
+            raise RuntimeError(f"request {seq.request_id}: the plan reuses {n} cached blocks, "
+                               f"this rank's cache holds {len(blocks)} (+ host copies)")
+        self.allocator.acquire(blocks)
+        if rest:
+            self.allocator.host.pin(rest)
+        seq.block_table = blocks
+        return rest
+
+    def _name_full_blocks(self, seq: Sequence) -> None:
+        """Name the blocks this step fills, so later requests can reuse them. The KV is written
+        by this step's forward, before any later step's plan can look the names up. A decode
+        room's blocks are not named: the decode worker never looks anything up."""
+        if not self.allocator.caching or seq.kv is KVRole.DECODE:
+            return
+        full = seq.num_computed // self.config.block_size
+        if full * self.config.block_size <= seq.num_named:
+            return
+        names = self._names(seq, full)
+        for i in range(seq.num_named // self.config.block_size, full):
+            self.allocator.register(seq.block_table[i], names[i])
+        seq.num_named = full * self.config.block_size
 
     def _append(self, seq: Sequence, s: SampledToken) -> StepOutput:
         seq.output_ids.append(s.token_id)
@@ -280,7 +410,8 @@ class Scheduler:
         reason = seq.stop_reason(s.token_id, len(seq.output_ids))
         if reason:
             self._finish(seq, reason)
-        return StepOutput(seq.request_id, s.token_id, s.logprobs, reason)
+        return StepOutput(seq.request_id, s.token_id, s.logprobs, reason,
+                          cached_tokens=seq.cached_tokens if reason else None)
 
     def _move_held(self, seq: Sequence, event: HeldEvent, outputs: list[StepOutput], *,
                    token: SampledToken | None = None, error: str | None = None,
@@ -291,6 +422,7 @@ class Scheduler:
         if move.status is SequenceStatus.RUNNING:  # the KV landed: the prompt is cached
             del self.held[seq.request_id]
             seq.num_computed = len(seq.prompt_ids)
+            seq.cached_tokens = token.cached_tokens  # what the prefill worker reused
             self.running.append(seq)
             outputs.append(self._append(seq, token))
         elif move.status is SequenceStatus.FINISHED:
@@ -299,7 +431,8 @@ class Scheduler:
         if move.finish is not None:
             seq.finish_reason = reason if event is HeldEvent.ABORT else move.finish
             why = f"KV transfer failed: {error}" if event is HeldEvent.FAILED else None
-            outputs.append(StepOutput(seq.request_id, finish_reason=seq.finish_reason, error=why))
+            outputs.append(StepOutput(seq.request_id, finish_reason=seq.finish_reason, error=why,
+                                      cached_tokens=seq.cached_tokens))
         if move.status is not SequenceStatus.RUNNING:  # ended: only a hold may keep it
             self.seqs.pop(seq.request_id, None)
 
@@ -319,8 +452,13 @@ class Scheduler:
             self._release(seq)
 
     def _release(self, seq: Sequence) -> None:
+        """Drop the request's hold on its blocks: cached ones stay cached for others (and
+        whoever else holds a block keeps it), never written or evicted while held."""
         self.allocator.free(seq.block_table)
         seq.block_table = []
+        if seq.grammar is not None:  # ended or preempted: a recompute replays its output into a new one
+            seq.grammar.release()
+            seq.grammar = None
 
     def has_work(self) -> bool:
         return bool(self.seqs or self.held)

@@ -53,6 +53,8 @@ class Accounting:
         self.metrics.set_load(running=len(scheduler.running),
                               waiting=len(scheduler.waiting) + len(scheduler.held),
                               used_blocks=a.num_used, total_blocks=a.num_blocks)
+        self.metrics.scheduler_counts(cache_queries=a.num_queries, cache_hits=a.num_hits,
+                                      preemptions=scheduler.num_preemptions, host_hits=a.num_host_hits)
 
     def agent(self, counts: dict[str, int]) -> None:
         """The agent's cumulative counters → metric increments since the last call."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import logging
+import os
 import signal
 import sys
 import threading
@@ -12,6 +13,7 @@ import time
 
 import uvicorn
 
+from pdserve.engine.config import ContextDoesNotFit
 from pdserve.logs import about, setup_logging
 from pdserve.model_name import served_name
 
@@ -52,6 +54,9 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-with-parent", action="store_true",
                    help="exit when the parent process dies (used by `pdserve serve`)")
     p.add_argument("--log-json", action="store_true", help="log one JSON object per line")
+    p.add_argument("--internal-token", default=None, metavar="TOKEN",
+                   help="require 'Authorization: Bearer TOKEN' on every internal endpoint but /health, "
+                        "/ready and /metrics (default: $PDSERVE_INTERNAL_TOKEN; none: open, as on loopback)")
     p.add_argument("--served-model-name", default=None,
                    help="the model_name label of this worker's metrics: give the router's (default: "
                         "as the router derives it from --model)")
@@ -122,9 +127,17 @@ def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
             server.should_exit = True
 
     # a test's faults (PDSERVE_TEST_FAULTS); None in production
-    worker = Worker(engine_config, settings, on_fatal=fatal, model_name=model_name, faults=FaultPlan.from_env())
+    try:
+        worker = Worker(engine_config, settings, on_fatal=fatal, model_name=model_name, faults=FaultPlan.from_env())
+    except ContextDoesNotFit as e:  # a settings error, told in one line
+        print(f"pdserve {getattr(args, 'command', role)}: error: {e}", file=sys.stderr)
+        return 2
     worker.start()
-    app = build_app(worker, model_name)
+    token = args.internal_token or os.environ.get("PDSERVE_INTERNAL_TOKEN", "").strip() or None
+    if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("the internal API listens on %s without --internal-token: anyone who reaches it can "
+                       "submit or abort requests", args.host)
+    app = build_app(worker, model_name, token)
     server = DrainingServer(worker, uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                    access_log=False,
                                                    log_config=None if json_logs else uvicorn.config.LOGGING_CONFIG))

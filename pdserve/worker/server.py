@@ -5,6 +5,7 @@ A call that fails answers an error status with ``ErrorBody`` — a failed prefil
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from pdserve.engine.sequence import FinishReason as Ended
 from pdserve.logs import REQUEST_ID, about
@@ -49,21 +51,51 @@ class RequestIdContext:
             REQUEST_ID.reset(token)
 
 
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics"})  # liveness, readiness, scrapes: no token
+
+
+class InternalToken:
+    """With a token configured (--internal-token, $PDSERVE_INTERNAL_TOKEN), every path but
+    `OPEN_PATHS` needs ``Authorization: Bearer <token>``; a call without it gets 401 and an
+    ``ErrorBody``, so a pod in the cluster cannot abort or inject requests. /metrics stays open
+    for the scraper: it reports counts, and changes nothing."""
+
+    def __init__(self, app, token: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        got = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        if hmac.compare_digest(got, self.expected):
+            return await self.app(scope, receive, send)
+        body = json.dumps(ErrorBody.of(ErrorCode.UNAUTHORIZED, "this worker's internal API needs its token "
+                                       "(Authorization: Bearer, --internal-token)").wire()).encode()
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
 def output_line(out: StepOutput) -> TokenLine:
     lp = out.logprobs
     return TokenLine(token_ids=[] if out.token_id is None else [out.token_id],
                      logprobs=None if lp is None else [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                                                     top=[tuple(t) for t in lp.top])],
                      finish_reason=None if out.finish_reason is None else FinishReason(out.finish_reason),
-                     error=out.error)
+                     error=out.error, cached_tokens=out.cached_tokens if out.finish_reason else None)
 
 
-def build_app(worker: Worker, model_name: str) -> FastAPI:
+def build_app(worker: Worker, model_name: str, internal_token: str | None = None) -> FastAPI:
     app = FastAPI(title=f"pdserve {worker.settings.role} worker")
     app.add_middleware(RequestIdContext)
+    if internal_token:
+        app.add_middleware(InternalToken, token=internal_token)
     engine = worker.engine
     role = Role(worker.settings.role)
-    http = httpx.AsyncClient(timeout=httpx.Timeout(10.0))
+    # worker to worker (prefill → decode /bootstrap): the same token
+    http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), trust_env=False,
+                             headers={"Authorization": f"Bearer {internal_token}"} if internal_token else None)
     bootstraps: dict[str, list[str]] = {}  # decode worker id → its per-rank bootstrap info
 
     def error(code: ErrorCode, message: str) -> JSONResponse:
@@ -81,9 +113,16 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
             if params is not None:
                 params.validate()
                 params.stop = []  # stop strings are the router's
+                if params.structured is not None:  # compiled here, in a thread: the loop only looks it up
+                    why = await asyncio.to_thread(engine.grammars.check, params.structured)
+                    if why is not None:
+                        return error(ErrorCode.BAD_REQUEST, f"params.structured: {why}")
             return body
         except (ValueError, ValidationError) as e:
             return error(ErrorCode.BAD_REQUEST, f"bad request body: {e}")
+        except ClientDisconnect:  # the router aborted the call (a sibling choice ended): not an error
+            logger.info("%s: the caller went away before its body arrived", request.url.path)
+            return error(ErrorCode.ABORTED, "the caller went away")
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -107,7 +146,7 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
         return Info(role=role, worker_id=worker.settings.worker_id, model=model_name,
                     max_model_len=sched.config.max_model_len, block_size=sched.config.block_size,
                     num_blocks=sched.allocator.num_blocks, tp=worker.settings.tp,
-                    eos_token_ids=sorted(sched.eos_token_ids)).wire()
+                    eos_token_ids=sorted(sched.eos_token_ids), max_num_seqs=sched.config.max_num_seqs).wire()
 
     @app.get("/load")
     async def load() -> dict:
@@ -211,7 +250,7 @@ def build_app(worker: Worker, model_name: str) -> FastAPI:
                 out: StepOutput = await q.get()
                 if out.finish_reason is Ended.PREFILLED:  # the KV and first token are in decode's blocks
                     done = True
-                    return JSONResponse(PrefillDone().wire())
+                    return JSONResponse(PrefillDone(cached_tokens=out.cached_tokens or 0).wire())
                 if out.finish_reason in (Ended.ERROR, Ended.ABORT):
                     done = True
                     if out.finish_reason is Ended.ERROR:  # the decode worker may have restarted

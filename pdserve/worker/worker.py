@@ -28,7 +28,11 @@ from .runtime import RankRuntime
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.005  # the loop's nap when idle: short, since it must keep polling transfers
+IDLE_WAIT_S = 0.005  # nothing to compute but a request is open (a transfer under way): poll soon
+# Nothing open at all: sleep until the inbox wakes the loop, but step at least this often, so the
+# TP group's collectives stay far inside their timeout and /health's step stays fresh
+# (docs/liveness.md: an idle worker costs nothing).
+IDLE_TICK_S = 5.0
 
 
 @dataclass
@@ -97,6 +101,7 @@ class Worker:
         self.accounting = Accounting(settings.role, model_name,
                                      pool.bytes_per_block(pool.layer_specs, pool.block_size) * settings.tp,
                                      pool.block_size)
+        self.engine.grammars.observer = self.metrics
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -106,6 +111,8 @@ class Worker:
         self.draining = False
         self.error: str | None = None
         self._snapshot_at = 0.0
+        # well inside the stall bound of /health and the collectives' timeout
+        self._idle_tick = min(IDLE_TICK_S, settings.health_stall_timeout / 3, settings.collective_timeout / 4)
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
 
     @property
@@ -166,7 +173,10 @@ class Worker:
             self.accounting.outputs(outputs, now)
             self._dispatch(outputs)
         if not self.engine.has_work():
-            self._wake.wait(IDLE_WAIT_S)
+            quiet = not self._queues  # no HTTP call open: no transfer can be under way either
+            if quiet:
+                self._snapshot(now)  # /load and /metrics show the last step's state while it sleeps
+            self._wake.wait(self._idle_tick if quiet else IDLE_WAIT_S)
             self._wake.clear()
 
     def _snapshot(self, now: float) -> None:
@@ -252,6 +262,7 @@ class Worker:
         if self._wedge is None:
             raise RuntimeError("no fault plan with debug_routes: this worker cannot be wedged")
         self._wedge.arm(seconds)
+        self._wake.set()  # an idle loop stalls at its next step, now
 
     def seconds_since_step(self) -> float:
         return time.monotonic() - self.last_step

@@ -31,7 +31,15 @@ EXPECTED = {
     # the transfer's own view, which the PD fault tests read to prove a transfer was in flight
     "kv_rooms_live": "gauge", "kv_writes_in_flight": "gauge", "kv_rooms_failed_peer_dead": "counter",
     "scheduler_step_seconds": "histogram", "scheduler_agree_seconds": "histogram",
+    # the prefix cache (issue 15) and preemptions (issue 18)
+    "prefix_cache_queries": "counter", "prefix_cache_hits": "counter", "prefix_cache_host_hits": "counter",
+    "num_preemptions": "counter",
     "parser_diagnostics": "counter",
+    # structured outputs (issue 19)
+    "grammar_cache_lookups": "counter", "grammar_compile_seconds": "histogram", "grammar_mask_seconds": "histogram",
+    "grammar_matchers_live": "gauge",
+    # the router's admission queue (issue 17)
+    "admission_queue_length": "gauge", "admission_queue_seconds": "histogram", "admission_rejections": "counter",
 }
 
 

@@ -104,3 +104,11 @@ def test_invalid_params_are_refused(engine):
                 SamplingParams(min_tokens=5, max_tokens=2), SamplingParams(top_k=-2)):
         with pytest.raises(ValueError):
             engine.add_request("bad", [1, 2], bad)
+
+
+def test_a_vanishing_temperature_samples_the_argmax_instead_of_failing():
+    # 1e-300 overflows the scaled logits to inf, and softmax(inf - inf) is NaN: the engine
+    # must answer with the limit (greedy), never raise inside the loop
+    logits = torch.tensor([[0.1, 2.0, 1.5, -3.0]])
+    (tok, _), = sample(logits, [seq_with(SamplingParams(temperature=1e-300, seed=0))])
+    assert tok == 1

@@ -63,7 +63,7 @@ def bad_input_cases(max_body: int) -> list[Case]:
         Case("temperature_too_high", CHAT, body=chat(temperature=3.5), param="temperature"),
         Case("temperature_negative", CHAT, body=chat(temperature=-0.1), param="temperature"),
         Case("temperature_wrong_type", CHAT, body=chat(temperature="hot"), param="temperature"),
-        Case("top_p_zero", CHAT, body=chat(top_p=0), param="top_p"),
+        Case("top_p_over_one", CHAT, body=chat(top_p=1.5), param="top_p"),
         Case("n_zero", CHAT, body=chat(n=0), param="n"),
         Case("n_too_large", CHAT, body=chat(n=1000), param="n"),
         Case("too_many_stop_strings", CHAT, body=chat(stop=[f"s{i}" for i in range(17)]), param="stop"),

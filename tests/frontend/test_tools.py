@@ -315,4 +315,4 @@ def test_a_call_only_message_has_null_content() -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     message = renderer.response()["choices"][0]["message"]
     call = {"id": "call_0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
-    assert message == {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert message == {"role": "assistant", "content": None, "refusal": None, "tool_calls": [call]}

@@ -1,0 +1,58 @@
+"""CPU an idle `pdserve serve` uses: start it, wait until ready, let it settle, then sum the CPU
+time (user + system) of its whole process tree over a window (docs/liveness.md).
+
+    python bench/idle_cpu.py --tp 3 --window 60
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak import cmdline, start_serve, stop_serve, tree, wait_ready  # noqa: E402
+
+TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / TICK  # utime, stime
+    except (OSError, IndexError):
+        return 0.0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tp", type=int, default=3)
+    p.add_argument("--mode", default="pd")
+    p.add_argument("--window", type=float, default=60.0)
+    p.add_argument("--settle", type=float, default=10.0)
+    p.add_argument("--port", type=int, default=8766)
+    args = p.parse_args()
+    proc = start_serve(args.port, args.tp, ["--mode", args.mode] if args.mode != "pd" else [])
+    try:
+        wait_ready(f"http://127.0.0.1:{args.port}", proc, 900)
+        time.sleep(args.settle)  # start-up work (model load, warm-up) is not idle time
+        pids = tree(proc.pid)
+        names = {q: cmdline(q) for q in pids}
+        before = {q: cpu_seconds(q) for q in pids}
+        time.sleep(args.window)
+        after = {q: cpu_seconds(q) for q in pids}
+    finally:
+        stop_serve(proc)
+    total = 0.0
+    for q in pids:
+        used = after[q] - before[q]
+        total += used
+        print(f"{used / args.window:7.2%}  pid {q}  {names[q]}")
+    print(f"total: {total:.2f} CPU-s over {args.window:.0f} s = {total / args.window:.2%} of one core "
+          f"({len(pids)} processes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

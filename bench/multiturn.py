@@ -1,0 +1,248 @@
+"""Agent sessions with a long shared system prompt: what the prefix cache buys, turn by turn.
+
+    python bench/multiturn.py                          # 4 sessions × 4 turns, ≈1,200-token system prompt
+    python bench/multiturn.py --sessions 2 --turns 3 --system-words 500 --modes colocated
+    python bench/multiturn.py --no-llama --pdserve-arg=--kernels=torch
+
+S sessions run at once; each sends T chat turns one after another, every turn resending the
+whole conversation so far (the shared system prompt, the user's turns, the answers), greedy
+with `ignore_eos` so every answer has exactly `--output-len` tokens. For every server —
+`pdserve serve` in PD and colocated mode with the prefix cache on and off (`--no-prefix-cache`),
+and llama-server (which reuses a slot's cached prompt) when its binary is present — it reports
+TTFT of the first turns and of the later turns, output tok/s, and the prefix cache hit rate
+(prompt tokens the server reported as cached over prompt tokens, from
+`usage.prompt_tokens_details.cached_tokens`). Prints a table, writes JSON to bench/results/.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from common import RESULTS, environment, load_average, percentile, table, write_json
+from serve_launch import launch, stop
+
+LLAMA_BIN = Path.home() / ".cache" / "pdserve" / "llama.cpp" / "build" / "bin" / "llama-server"
+WORDS = ("system agent tool call result file read write search plan step check answer user query "
+         "context memory cache block token model server request stream latency budget policy rule "
+         "always never when then because output format json list table summary detail error retry").split()
+
+
+@dataclass
+class Turn:
+    session: int
+    turn: int
+    ttft: float | None = None
+    e2e: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+    output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Target:
+    label: str
+    command: str
+    mode: str
+    cache: bool | None  # None: not pdserve
+
+
+def text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+async def chat(http: httpx.AsyncClient, model: str, messages: list[dict], out_len: int, t: Turn) -> str:
+    body = {"model": model, "messages": messages, "max_tokens": out_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    pieces: list[str] = []
+    try:
+        async with http.stream("POST", "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                t.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:200]}"
+                return ""
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                for c in chunk.get("choices") or []:
+                    piece = (c.get("delta") or {}).get("content") or ""
+                    if piece and t.ttft is None:
+                        t.ttft = time.perf_counter() - t0
+                    pieces.append(piece)
+                usage = chunk.get("usage")
+                if usage:
+                    t.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    t.output_tokens = int(usage.get("completion_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    if "cached_tokens" in details:
+                        t.cached_tokens = int(details["cached_tokens"] or 0)
+    except (httpx.HTTPError, OSError, ValueError) as e:
+        t.error = f"{type(e).__name__}: {e}"[:200]
+        return ""
+    t.e2e = time.perf_counter() - t0
+    return "".join(pieces)
+
+
+async def session(base_url: str, model: str, s: int, args: argparse.Namespace, system: str) -> list[Turn]:
+    rng = random.Random(args.seed * 1000 + s)
+    messages = [{"role": "system", "content": system}]
+    turns = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=args.timeout) as http:
+        for k in range(args.turns):
+            messages.append({"role": "user", "content": text(rng, args.user_words)})
+            t = Turn(s, k)
+            answer = await chat(http, model, messages, args.output_len, t)
+            turns.append(t)
+            if t.error:
+                break
+            messages.append({"role": "assistant", "content": answer})
+    return turns
+
+
+def summarize(turns: list[Turn], wall: float) -> dict:
+    ok = [t for t in turns if t.error is None and t.ttft is not None]
+    first = [t.ttft for t in ok if t.turn == 0]
+    later = [t.ttft for t in ok if t.turn > 0]
+    reported = [t for t in ok if t.cached_tokens is not None]
+    prompt = sum(t.prompt_tokens for t in reported)
+    later_rep = [t for t in reported if t.turn > 0]
+    return {
+        "requests": len(turns), "failed": len(turns) - len(ok),
+        "ttft_first_p50_s": percentile(first, 50), "ttft_later_p50_s": percentile(later, 50),
+        "ttft_later_p90_s": percentile(later, 90),
+        "output_tok_s": sum(t.output_tokens for t in ok) / wall if wall else 0.0,
+        "hit_rate": sum(t.cached_tokens for t in reported) / prompt if prompt else None,
+        "hit_rate_later": (sum(t.cached_tokens for t in later_rep) / sum(t.prompt_tokens for t in later_rep)
+                           if later_rep and sum(t.prompt_tokens for t in later_rep) else None),
+        "mean_prompt_tokens": sum(t.prompt_tokens for t in ok) / len(ok) if ok else 0.0,
+        "wall_s": wall,
+    }
+
+
+def served_model(base_url: str) -> str:
+    try:
+        return httpx.get(f"{base_url}/v1/models", timeout=10.0).json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        return "default"
+
+
+def run_target(t: Target, args: argparse.Namespace, system: str) -> dict:
+    print(f"launching {t.label}: {t.command}", flush=True)
+    try:
+        srv = launch(t.command, args.out.parent / "logs", "--port", args.launch_timeout)
+    except RuntimeError as e:
+        print(f"  launch failed: {e}", flush=True)
+        return {**asdict(t), "error": str(e)}
+    try:
+        model = served_model(srv.base_url)
+        warm = Turn(-1, -1)  # an unrelated short request: first-call costs out of the measurement
+        asyncio.run(_warm(srv.base_url, model, warm))
+        t0 = time.perf_counter()
+        results = asyncio.run(_all(srv.base_url, model, args, system))
+        wall = time.perf_counter() - t0
+    finally:
+        stopped = stop(srv, args.stop_grace)
+    turns = [x for r in results for x in r]
+    s = summarize(turns, wall)
+    print(f"  TTFT first p50 {s['ttft_first_p50_s']:.2f} s, later p50 {s['ttft_later_p50_s']:.2f} s, "
+          f"hit rate {s['hit_rate'] if s['hit_rate'] is not None else '-'}, {s['failed']} failed "
+          f"({load_average()})", flush=True)
+    return {**asdict(t), **s, "turns": [asdict(x) for x in turns], "stop": stopped, "log": str(srv.log_path),
+            "load1": os.getloadavg()[0]}
+
+
+async def _warm(base_url: str, model: str, t: Turn) -> None:
+    async with httpx.AsyncClient(base_url=base_url, timeout=600) as http:
+        await chat(http, model, [{"role": "user", "content": "hello"}], 4, t)
+
+
+async def _all(base_url: str, model: str, args: argparse.Namespace, system: str) -> list[list[Turn]]:
+    return await asyncio.gather(*(session(base_url, model, s, args, system) for s in range(args.sessions)))
+
+
+def targets(args: argparse.Namespace) -> tuple[list[Target], str | None]:
+    out, note = [], None
+    binary = Path(args.llama_server)
+    if args.no_llama:
+        note = "--no-llama"
+    elif not binary.exists():
+        note = f"{binary} not found: build it with `make llama-cpp`"
+    else:
+        from pdserve.weights.default_model import default_gguf_path
+        ctx = args.sessions * 8192
+        out.append(Target("llama-server", f"{binary} -m {default_gguf_path()} -t {args.threads} "
+                                          f"-np {args.sessions} -c {ctx} --host 127.0.0.1", "-", None))
+    extra = " ".join(args.pdserve_arg)
+    for mode in args.modes:
+        for cache in (True, False):
+            flag = "" if cache else "--no-prefix-cache"
+            command = f"{sys.executable} -m pdserve.launcher --mode {mode} {flag} {extra}"
+            out.append(Target(f"pdserve {mode} cache {'on' if cache else 'off'}", " ".join(command.split()),
+                              mode, cache))
+    return out, note
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sessions", type=int, default=4)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-words", type=int, default=1200, help="words of the shared system prompt")
+    p.add_argument("--user-words", type=int, default=40, help="words of each user turn")
+    p.add_argument("--output-len", type=int, default=24)
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["colocated", "pd"])
+    p.add_argument("--llama-server", default=str(LLAMA_BIN))
+    p.add_argument("--no-llama", action="store_true")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server -t")
+    p.add_argument("--pdserve-arg", action="append", default=[])
+    p.add_argument("--launch-timeout", type=float, default=900.0)
+    p.add_argument("--stop-grace", type=float, default=30.0)
+    p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS / "multiturn.json")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    system = "You are a careful agent. " + text(random.Random(args.seed), args.system_words)
+    servers, note = targets(args)
+    env = environment()
+    print(f"{load_average()}; {args.sessions} sessions × {args.turns} turns; system prompt "
+          f"{args.system_words} words; {args.output_len} output tokens", flush=True)
+    if note:
+        print(f"llama-server not run: {note}", flush=True)
+    results = [run_target(t, args, system) for t in servers]
+    base = {r["mode"]: r for r in results if r.get("cache") is False and "error" not in r}
+    headers = ["server", "TTFT turn 1 p50 s", "TTFT later p50 s", "later p90 s", "tok/s", "hit rate",
+               "later hit rate", "prompt tok", "failed", "later TTFT vs cache off"]
+    rows = []
+    for r in results:
+        if "error" in r:
+            rows.append([r["label"]] + [None] * 8 + ["launch failed"])
+            continue
+        off = base.get(r["mode"])
+        speedup = off["ttft_later_p50_s"] / r["ttft_later_p50_s"] if off and r["ttft_later_p50_s"] else None
+        rows.append([r["label"], r["ttft_first_p50_s"], r["ttft_later_p50_s"], r["ttft_later_p90_s"],
+                     r["output_tok_s"], r["hit_rate"], r["hit_rate_later"], r["mean_prompt_tokens"], r["failed"],
+                     f"{speedup:.1f}x" if speedup else None])
+    print()
+    print(table(headers, rows))
+    print(f"\nstart: {env['load_average']}; end: {load_average()}")
+    write_json(args.out, {"benchmark": "multiturn", "args": {k: str(v) for k, v in vars(args).items()},
+                          "environment": env, "llama_server_note": note, "servers": results})
+    print(f"wrote {args.out}")
+    return 0 if all("error" not in r and not r["failed"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

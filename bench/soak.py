@@ -1,0 +1,313 @@
+"""Soak: a mixed load against `pdserve serve` (PD, tensor-parallel) for a given time, then the checks that
+prove nothing leaked (docs/liveness.md).
+
+Load (``--clients`` concurrent loops, each drawing one kind of request at a time): streaming and
+non-streaming chat, chat with tools, ``n`` > 1, streams the client drops at a random moment,
+bad requests (400 expected), and now and then a mass abort (a burst of streams all dropped
+after their first event). Checks at the end:
+
+* no request failed except by its own abort (a dropped stream) or an intended 429 / 400;
+* RSS of the router and of every worker process grew < 5 % from the end of the warm-up;
+* open file descriptors flat (within a small slack) from the end of the warm-up;
+* every worker idle: no request waiting, running, transferring or in flight, no room live,
+  every KV block free.
+
+    python bench/soak.py --duration 120            # starts its own `pdserve serve --tp 3`
+    python bench/soak.py --url http://host:8000    # an already running one (no RSS/fd checks)
+
+TP=3 by default: the default model's 9 attention heads do not split over 2 ranks.
+Exit status 0 when every check passed; the summary is printed as JSON (and --out FILE).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+CHAT = "/v1/chat/completions"
+RSS_GROWTH_MAX = 0.05
+FD_SLACK = 8  # sockets of probes and keep-alive pools come and go
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather of a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+
+
+@dataclass
+class Tally:
+    ok: int = 0
+    dropped: int = 0            # streams this client dropped on purpose
+    rejected_429: int = 0
+    bad_400: int = 0            # bad requests answered 400, as intended
+    unexpected: list[str] = field(default_factory=list)
+    by_kind: dict[str, int] = field(default_factory=dict)
+
+    def count(self, kind: str) -> None:
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + 1
+
+
+def messages(rng: random.Random) -> list[dict]:
+    topics = ["the sea", "a robot", "bread", "mountains", "a library", "rain"]
+    return [{"role": "user", "content": f"Write a few sentences about {rng.choice(topics)}."}]
+
+
+# One deck per client loop, shuffled each time it is used up: every kind comes in every round,
+# in proportion, however short the soak.
+DECK = ["stream"] * 3 + ["plain"] * 2 + ["tools", "n2", "drop", "drop", "bad"]
+MASS_ABORT_EVERY = 6  # the first client loop's every 6th turn (from its 3rd) is a mass abort
+
+
+async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally, kind: str) -> None:
+    tally.count(kind)
+    body: dict = {"messages": messages(rng), "max_tokens": rng.randint(4, 48), "temperature": 0.7}
+    if kind == "bad":
+        body["temperature"] = -1
+        r = await http.post(CHAT, json=body)
+        return _judge(tally, kind, r.status_code, r.text, expect=400)
+    if kind == "tools":
+        body["tools"] = TOOLS
+    if kind == "n2":
+        body["n"] = 2
+    if kind in ("stream", "drop"):
+        body["stream"] = True
+        drop_after = rng.randint(1, 8) if kind == "drop" else None
+        async with http.stream("POST", CHAT, json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return _judge(tally, kind, r.status_code, r.text)
+            events, last = 0, ""
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                last = line[6:]
+                events += 1
+                if drop_after is not None and events >= drop_after:
+                    tally.dropped += 1
+                    return  # leaving the block closes the connection: the router aborts the rooms
+            if last != "[DONE]":
+                tally.unexpected.append(f"{kind}: stream ended with {last[:200]!r}")
+            else:
+                tally.ok += 1
+        return
+    r = await http.post(CHAT, json=body)
+    _judge(tally, kind, r.status_code, r.text)
+
+
+def _judge(tally: Tally, kind: str, status: int, text: str, expect: int = 200) -> None:
+    if status == expect:
+        if expect == 400:
+            tally.bad_400 += 1
+        else:
+            tally.ok += 1
+    elif status == 429:
+        tally.rejected_429 += 1
+    else:
+        tally.unexpected.append(f"{kind}: HTTP {status}: {text[:200]}")
+
+
+async def mass_abort(http: httpx.AsyncClient, rng: random.Random, tally: Tally, streams: int) -> None:
+    """`streams` streams at once, every one dropped after its first event."""
+    tally.count("mass_abort")
+
+    async def one() -> None:
+        body = {"messages": messages(rng), "max_tokens": 64, "stream": True, "temperature": 0.7}
+        async with http.stream("POST", CHAT, json=body) as r:
+            if r.status_code != 200:
+                await r.aread()
+                return _judge(tally, "mass_abort", r.status_code, r.text)
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    tally.dropped += 1
+                    return
+
+    await asyncio.gather(*(one() for _ in range(streams)))
+
+
+async def load(url: str, seconds: float, clients: int, seed: int, tally: Tally) -> None:
+    rng = random.Random(seed)
+    deadline = time.monotonic() + seconds
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300.0), trust_env=False,
+                                 limits=httpx.Limits(max_connections=None)) as http:
+        async def loop(i: int) -> None:
+            mine = random.Random(rng.random())
+            deck: list[str] = []
+            turn = 0
+            while time.monotonic() < deadline:
+                turn += 1
+                if not deck:
+                    deck = mine.sample(DECK, len(DECK))
+                try:
+                    if i == 0 and turn % MASS_ABORT_EVERY == 3 % MASS_ABORT_EVERY:
+                        await mass_abort(http, mine, tally, 16)
+                    else:
+                        await one_request(http, mine, tally, deck.pop())
+                except httpx.HTTPError as e:
+                    tally.unexpected.append(f"transport: {type(e).__name__}: {e}")
+
+        await asyncio.gather(*(loop(i) for i in range(clients)))
+
+
+# ---- processes -----------------------------------------------------------------------------------
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and its descendants (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def sample(pids: list[int]) -> dict[int, tuple[int, int]]:
+    """pid → (RSS KiB, open fds) of the processes still alive."""
+    out = {}
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+            out[pid] = (rss, len(os.listdir(f"/proc/{pid}/fd")))
+        except (OSError, StopIteration):
+            continue
+    return out
+
+
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:120]
+    except OSError:
+        return "?"
+
+
+def start_serve(port: int, tp: int, extra: list[str], log: Path | None = None) -> subprocess.Popen:
+    """`pdserve serve` in its own session, its output into `log` (or discarded)."""
+    cmd = [sys.executable, "-m", "pdserve.cli", "serve", "--mode", "pd", "--tp", str(tp), "--port", str(port),
+           *extra]
+    out = log.open("wb") if log is not None else subprocess.DEVNULL
+    return subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def stop_serve(proc: subprocess.Popen) -> None:
+    """SIGTERM its process group (it drains), SIGKILL what is left after 90 s."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=90)
+    except ProcessLookupError:
+        return
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def wait_ready(url: str, proc: subprocess.Popen | None, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise SystemExit(f"soak: pdserve serve exited with code {proc.returncode} during start-up "
+                             "(its output: --log)")
+        try:
+            if httpx.get(url + "/ready", timeout=2, trust_env=False).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"soak: {url} not ready after {timeout_s:.0f} s")
+
+
+def workers_idle(url: str, token: str | None, timeout_s: float) -> tuple[bool, list[dict]]:
+    """Every worker's /load shows nothing in flight and a full pool (waits up to `timeout_s`)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    deadline = time.monotonic() + timeout_s
+    loads: list[dict] = []
+    while True:
+        urls = [w["url"] for w in httpx.get(url + "/health", timeout=5, trust_env=False).json()["workers"]]
+        loads = [httpx.get(u + "/load", timeout=5, trust_env=False, headers=headers).json() | {"url": u}
+                 for u in urls]
+        idle = all(ld["waiting"] + ld["running"] + ld["transferring"] + ld["in_flight"] + ld["rooms_live"] == 0
+                   and ld["free_blocks"] == ld["total_blocks"] for ld in loads)
+        if idle or time.monotonic() > deadline:
+            return idle, loads
+        time.sleep(0.25)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=120.0, help="seconds of load (after start-up)")
+    p.add_argument("--warmup", type=float, default=None, help="seconds before the RSS/fd baseline "
+                   "(default: 20 %% of --duration, at least 20 s)")
+    p.add_argument("--clients", type=int, default=6, help="concurrent request loops")
+    p.add_argument("--tp", type=int, default=3, help="TP ranks per worker (the default model: 1 or 3)")
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--url", default=None, help="soak a running server instead of starting one")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--serve-arg", action="append", default=[], help="extra `pdserve serve` flag (repeatable)")
+    p.add_argument("--out", default=None, help="also write the JSON summary here")
+    p.add_argument("--log", default=None, help="write the server's output here (default: discarded)")
+    args = p.parse_args(argv)
+    warmup = args.warmup if args.warmup is not None else max(20.0, 0.2 * args.duration)
+    token = os.environ.get("PDSERVE_INTERNAL_TOKEN") or None
+    proc = None if args.url else start_serve(args.port, args.tp, args.serve_arg,
+                                              Path(args.log) if args.log else None)
+    url = args.url or f"http://127.0.0.1:{args.port}"
+    tally = Tally()
+    try:
+        wait_ready(url, proc, 900)
+        started = time.monotonic()
+        asyncio.run(load(url, warmup, args.clients, args.seed, tally))
+        pids = tree(proc.pid) if proc is not None else []
+        names = {q: cmdline(q) for q in pids}
+        base = sample(pids)
+        asyncio.run(load(url, max(0.0, args.duration - (time.monotonic() - started)), args.clients,
+                         args.seed + 1, tally))
+        idle, loads = workers_idle(url, token, 60)
+        end = sample(pids)
+    finally:
+        if proc is not None:
+            stop_serve(proc)
+    growth = {pid: {"cmd": names[pid], "rss_kib": [base[pid][0], end[pid][0]],
+                    "rss_growth": round(end[pid][0] / base[pid][0] - 1, 4), "fds": [base[pid][1], end[pid][1]]}
+              for pid in base if pid in end}
+    failures = list(tally.unexpected[:20])
+    if tally.unexpected:
+        failures.insert(0, f"{len(tally.unexpected)} unexpected outcome(s)")
+    for pid, g in growth.items():
+        if g["rss_growth"] > RSS_GROWTH_MAX:
+            failures.append(f"RSS of {g['cmd']} grew {g['rss_growth']:.1%}")
+        if g["fds"][1] > g["fds"][0] + FD_SLACK:
+            failures.append(f"fds of {g['cmd']}: {g['fds'][0]} → {g['fds'][1]}")
+    if proc is not None and base and set(base) - set(end):
+        failures.append("a process of the server exited during the soak")
+    if not idle:
+        failures.append(f"workers not idle with full pools at the end: {loads}")
+    summary = {"duration_s": args.duration, "warmup_s": warmup, "clients": args.clients, "ok": tally.ok,
+               "dropped_on_purpose": tally.dropped, "rejected_429": tally.rejected_429, "bad_400": tally.bad_400,
+               "unexpected": len(tally.unexpected), "requests_by_kind": tally.by_kind, "processes": growth,
+               "workers_at_end": loads, "failures": failures, "passed": not failures}
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return 0 if not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

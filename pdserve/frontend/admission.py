@@ -1,0 +1,241 @@
+"""Admission control: a request runs only where there is room, waits a bounded time in a fair
+queue when there is none, and is then refused with 429 — never an unbounded queue, never a 503
+because a worker is busy (docs/liveness.md).
+
+Room is counted in choices (a request with ``n`` choices needs ``n``). A worker has room while
+its requests (queued and running, as it last reported or as the router counts them, plus those
+admitted for it and not yet started) stay under its capacity: ``--worker-capacity``, else
+``QUEUE_FACTOR`` × the ``max_num_seqs`` it reports in /info; and not while its last report shows
+requests waiting with no free KV block. ``--max-running`` bounds the router as a whole.
+
+A request that finds no room joins a FIFO queue of at most ``--max-queue`` requests; only the
+head is admitted (a large request is not overtaken by small ones forever). Room is looked for
+again whenever a request leaves a worker, a probe reports, or the pool's watch ticks. After
+``--queue-timeout`` seconds in the queue, or at once when the queue is full, the request gets
+429 with ``Retry-After``. When no worker of a needed role is alive at all (all refused, failed,
+or silent past the bound), waiting cannot help: 503, as before.
+
+Workers are picked at admission and reserved (``WorkerEndpoint.reserved``) until the request's
+choices are registered on them, so two requests admitted back to back cannot take one slot.
+"""
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from pdserve.frontend.errors import APIError, overloaded, unavailable
+from pdserve.frontend.workers import Route, WorkerEndpoint, WorkerPool
+from pdserve.worker_api import Role
+
+logger = logging.getLogger(__name__)
+
+QUEUE_FACTOR = 2          # a worker may hold this many times its max_num_seqs (one batch waits)
+FALLBACK_CAPACITY = 64    # a worker that reports no max_num_seqs
+
+
+class Rejection(str, enum.Enum):
+    """Why a request was refused (the metrics' label)."""
+
+    QUEUE_FULL = "queue_full"        # --max-queue requests already wait
+    QUEUE_TIMEOUT = "queue_timeout"  # it waited --queue-timeout seconds without room
+    TOO_LARGE = "too_large"          # it needs more room than the router can ever give
+    NO_WORKER = "no_worker"          # no worker of a needed role is alive (503)
+
+
+@dataclass
+class AdmissionConfig:
+    max_queue: int = 256                 # requests waiting for room, router-wide
+    queue_timeout_s: float = 30.0        # how long one may wait before its 429
+    worker_capacity: int | None = None   # choices queued + running per worker (None: from /info)
+    max_running: int | None = None       # choices running router-wide (None: the workers' sum)
+    retry_after_s: int = 2               # what a 429 tells the client
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0 or self.queue_timeout_s < 0:
+            raise ValueError("--max-queue and --queue-timeout must be >= 0")
+        for name in ("worker_capacity", "max_running"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+class AdmissionStats:
+    """What the metrics read: queue length now, time queued, rejections by reason."""
+
+    def __init__(self) -> None:
+        self.rejected: dict[Rejection, int] = {r: 0 for r in Rejection}
+        self.admitted = 0
+        self.queued_seconds: list[float] = []  # drained by the metrics (bounded below)
+        self.on_wait: Callable[[float], None] | None = None
+        self.on_reject: Callable[[str], None] | None = None
+
+    def waited(self, seconds: float) -> None:
+        self.admitted += 1
+        if self.on_wait is not None:
+            self.on_wait(seconds)
+
+    def reject(self, why: Rejection) -> None:
+        self.rejected[why] += 1
+        if self.on_reject is not None:
+            self.on_reject(why.value)
+
+
+class Ticket:
+    """The routes reserved for one admitted request; `Generation` picks from it as from the pool."""
+
+    def __init__(self, routes: list[Route]) -> None:
+        self._routes = deque(routes)
+
+    def pick(self) -> Route:
+        return self._routes.popleft()
+
+
+@dataclass(eq=False)
+class _Waiter:
+    n: int
+    since: float
+    future: asyncio.Future[list[Route]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Admission:
+    """The router's admission queue over its `WorkerPool`."""
+
+    def __init__(self, pool: WorkerPool, config: AdmissionConfig | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self.config = config or AdmissionConfig()
+        self.clock = clock
+        self.stats = AdmissionStats()
+        self._queue: deque[_Waiter] = deque()
+        pool.on_change = self.wake
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    # ---- room ----------------------------------------------------------------------------------
+
+    def capacity(self, w: WorkerEndpoint) -> int:
+        if self.config.worker_capacity is not None:
+            return self.config.worker_capacity
+        return QUEUE_FACTOR * w.max_num_seqs if w.max_num_seqs else FALLBACK_CAPACITY
+
+    def has_room(self, w: WorkerEndpoint) -> bool:
+        load = w.load
+        kv_full = load.total_blocks > 0 and load.free_blocks == 0 and load.waiting > 0
+        return w.score() < self.capacity(w) and not kv_full
+
+    def running(self) -> int:
+        """Choices admitted and not ended, router-wide (counted on the decode-side workers)."""
+        return sum(len(w.inflight) + w.reserved for w in self.pool.workers if w.role is not Role.PREFILL)
+
+    def _take(self, n: int) -> list[Route] | None:
+        """Reserve routes for `n` choices, or None (nothing reserved) when they do not all fit."""
+        if self.config.max_running is not None and self.running() + n > self.config.max_running:
+            return None
+        routes: list[Route] = []
+        try:
+            for _ in range(n):
+                route = self.pool.pick(self.has_room)
+                _reserve(route, +1)
+                routes.append(route)
+        except APIError:
+            for route in routes:
+                _reserve(route, -1)
+            return None
+        return routes
+
+    def _alive(self) -> bool:
+        """A worker of every needed role is in rotation (maybe slow or full): waiting can help."""
+        return self.pool.ready
+
+    # ---- the queue -----------------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def admit(self, n: int = 1) -> AsyncIterator[Ticket]:
+        """Wait (bounded) for room for `n` choices; inside the block, pick their routes from the
+        ticket and register the choices on their workers; the reservations end with the block.
+        Raises the 429 (or 503) APIError when refused."""
+        routes = await self._wait(n)
+        try:
+            yield Ticket(routes)
+        finally:
+            for route in routes:
+                _reserve(route, -1)
+            self.wake()
+
+    async def _wait(self, n: int) -> list[Route]:
+        cap = self.config.max_running
+        if cap is not None and n > cap:
+            self.stats.reject(Rejection.TOO_LARGE)
+            raise overloaded(f"The request needs {n} sequences; this server runs at most {cap} at once.",
+                             self.config.retry_after_s)
+        if not self._queue:
+            routes = self._take(n)
+            if routes is not None:
+                self.stats.waited(0.0)
+                return routes
+        if not self._alive():
+            self.stats.reject(Rejection.NO_WORKER)
+            raise unavailable("No worker is available to serve the request; try again later.")
+        if len(self._queue) >= self.config.max_queue:
+            self.stats.reject(Rejection.QUEUE_FULL)
+            raise overloaded(f"The server is overloaded: {len(self._queue)} requests are already "
+                             "waiting. Retry later.", self.config.retry_after_s)
+        waiter = _Waiter(n, self.clock())
+        self._queue.append(waiter)
+        try:
+            await asyncio.wait({waiter.future}, timeout=self.config.queue_timeout_s)
+        except asyncio.CancelledError:  # the client left while queued
+            self._leave(waiter)
+            raise
+        if waiter.future.done():
+            self.stats.waited(self.clock() - waiter.since)
+            return waiter.future.result()
+        self._leave(waiter)
+        if not self._alive():
+            self.stats.reject(Rejection.NO_WORKER)
+            raise unavailable("No worker is available to serve the request; try again later.")
+        self.stats.reject(Rejection.QUEUE_TIMEOUT)
+        logger.warning("request refused after %.1f s in the admission queue (%d waiting)",
+                       self.clock() - waiter.since, len(self._queue))
+        raise overloaded(f"The server is overloaded: no room for the request within "
+                         f"{self.config.queue_timeout_s:g} s. Retry later.", self.config.retry_after_s)
+
+    def _leave(self, waiter: _Waiter) -> None:
+        """Take `waiter` out of the queue; routes it was given meanwhile go back."""
+        if waiter.future.done() and not waiter.future.cancelled():
+            for route in waiter.future.result():
+                _reserve(route, -1)
+        else:
+            waiter.future.cancel()
+        try:
+            self._queue.remove(waiter)
+        except ValueError:
+            pass
+        self.wake()
+
+    def wake(self) -> None:
+        """Admit queued requests, head first, while they fit."""
+        while self._queue:
+            head = self._queue[0]
+            if head.future.done():
+                self._queue.popleft()
+                continue
+            routes = self._take(head.n)
+            if routes is None:
+                return
+            self._queue.popleft()
+            head.future.set_result(routes)
+
+
+def _reserve(route: Route, delta: int) -> None:
+    route.decode.reserved += delta
+    if route.prefill is not None:
+        route.prefill.reserved += delta

@@ -1,0 +1,112 @@
+"""The second tier: copies of evicted device blocks kept in host memory, by name.
+
+When the device pool evicts a cached block (`BlockAllocator._evict`), its bytes are copied
+here under its name (the chained hash of `prefix.py`); a later request whose chain continues
+past the device's cached blocks into this tier gets fresh device blocks loaded from here
+before the step's forward. Least recently saved or used copies are dropped first when the tier
+is full; a copy being loaded this step is pinned and never dropped or overwritten.
+
+Copies are synchronous and happen inside `Scheduler.apply`, before the step's forward: the
+evicted block is still intact when it is saved (nobody held it), and a loaded block is
+complete before anything reads it. On CUDA the host tensors are pinned (page-locked), so a
+later asynchronous write-back can reuse them. Every step's saves and loads follow from the plan
+and the device's LRU order, so every TP rank keeps an identical tier (it is in the digest).
+"""
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict, deque
+
+import torch
+
+from .pool import KVPool
+from .prefix import BlockHash
+
+
+class HostTier:
+    """`num_blocks` host copies of device blocks of `pool`, indexed by block name."""
+
+    def __init__(self, pool: KVPool, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError("the host cache tier needs at least one block")
+        pin = torch.cuda.is_available() and any(t.is_cuda for t in pool.tensors())
+        self.pool, self.num_blocks = pool, num_blocks
+        self.tensors = [torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+                        for t in pool.tensors()]
+        self._empty: deque[int] = deque(range(num_blocks))
+        self._lru: OrderedDict[BlockHash, int] = OrderedDict()  # name → host block, oldest first
+        self._pins: dict[BlockHash, int] = {}
+        self.num_saved = self.num_loaded = self.num_dropped = 0
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._lru)
+
+    def holds(self, name: BlockHash) -> bool:
+        return name in self._lru
+
+    def count_chain(self, names: list[BlockHash]) -> int:
+        """How many leading names of `names` this tier holds."""
+        n = 0
+        for name in names:
+            if name not in self._lru:
+                break
+            n += 1
+        return n
+
+    def pin(self, names: list[BlockHash]) -> None:
+        for name in names:
+            if name not in self._lru:
+                raise RuntimeError("pinning a host block that is not cached")
+            self._pins[name] = self._pins.get(name, 0) + 1
+
+    def unpin(self, names: list[BlockHash]) -> None:
+        for name in names:
+            self._pins[name] -= 1
+            if not self._pins[name]:
+                del self._pins[name]
+
+    def save(self, block: int, name: BlockHash) -> None:
+        """Copy device block `block` here as `name` (the device is about to reuse it)."""
+        if name in self._lru:
+            self._lru.move_to_end(name)
+            return
+        hb = self._empty.popleft() if self._empty else self._drop_oldest()
+        if hb is None:  # every copy is pinned by this step's loads: this one is lost
+            return
+        for h, d in zip(self.tensors, self.pool.tensors()):
+            h[hb].copy_(d[block])
+        self._lru[name] = hb
+        self.num_saved += 1
+
+    def _drop_oldest(self) -> int | None:
+        victim = next((n for n in self._lru if n not in self._pins), None)
+        if victim is None:
+            return None
+        self.num_dropped += 1
+        return self._lru.pop(victim)
+
+    def load(self, name: BlockHash, block: int) -> None:
+        """Copy the host copy `name` into device block `block`."""
+        hb = self._lru[name]
+        for h, d in zip(self.tensors, self.pool.tensors()):
+            d[block].copy_(h[hb])
+        self._lru.move_to_end(name)
+        self.num_loaded += 1
+
+    def digest(self) -> bytes:
+        h = hashlib.blake2b(digest_size=8)
+        h.update(repr((list(self._empty), sorted(self._pins.items()))).encode())
+        for name, hb in self._lru.items():
+            h.update(name + hb.to_bytes(4, "little"))
+        return h.digest()
+
+    def check_integrity(self) -> None:
+        """Empty and named host blocks are disjoint and cover the tier; pins name copies."""
+        named = set(self._lru.values())
+        if len(named) != len(self._lru) or named & set(self._empty):
+            raise RuntimeError("a host block is named twice or both named and empty")
+        if len(named) + len(self._empty) != self.num_blocks:
+            raise RuntimeError(f"host tier: empty {len(self._empty)} + cached {len(named)} != {self.num_blocks}")
+        if not set(self._pins) <= set(self._lru):
+            raise RuntimeError("a pinned host copy is not cached")

@@ -1,0 +1,40 @@
+"""Block identity for the prefix cache: a chained hash of each full block's token ids.
+
+Block i of a sequence is named by `H(name of block i-1, token ids of block i)`, with the
+chain started by a salt that names everything else that shapes the KV (the model, its
+dtype, the index-key dtype, the block size). Two sequences share a block's name exactly when
+they share every token up to the block's end, under the same salt, so one dictionary lookup
+per block finds the longest cached prefix. The hash is blake2b over the ids' bytes, not
+Python's `hash()`: it must give the same names in every process of a TP group (and, for a
+later host tier or routing, on every machine).
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+BlockHash = bytes
+
+
+def salt_of(*parts: object) -> BlockHash:
+    """The chain's start: a digest of whatever besides the tokens changes the cached KV."""
+    return hashlib.blake2b(repr(parts).encode(), digest_size=16).digest()
+
+
+def extend_hashes(hashes: list[BlockHash], tokens: list[int], block_size: int,
+                  salt: BlockHash) -> list[BlockHash]:
+    """Append the names of the full blocks of `tokens` not yet in `hashes` (in place); return it.
+
+    `hashes` must name a prefix of `tokens`' blocks (the caller keeps one list per sequence
+    and extends it as the sequence grows)."""
+    prev = hashes[-1] if hashes else salt
+    for i in range(len(hashes), len(tokens) // block_size):
+        block = array("q", tokens[i * block_size:(i + 1) * block_size]).tobytes()
+        prev = hashlib.blake2b(prev + block, digest_size=16).digest()
+        hashes.append(prev)
+    return hashes
+
+
+def block_hashes(tokens: list[int], block_size: int, salt: BlockHash) -> list[BlockHash]:
+    """The names of every full block of `tokens`."""
+    return extend_hashes([], tokens, block_size, salt)

@@ -1,0 +1,164 @@
+"""The prefix cache in the engine (colocated): multi-turn conversations give the same greedy
+tokens with the cache on as with it off; a repeated prompt reports all but its last block as
+cached; eviction under a small pool keeps the books exact and the outputs unchanged."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+
+BS = 4
+
+
+def make_engine(model_dir: str, cache: bool, blocks: int = 256, host_blocks: int = 0) -> LLMEngine:
+    # tiny_llama: 2 layers × (K, V) × 2 KV heads × 16 dims × 4 bytes per token
+    per_block = BS * 2 * 2 * 2 * 16 * 4
+    return LLMEngine(EngineConfig(model=model_dir, block_size=BS, kv_cache_memory=blocks * per_block,
+                                  max_num_batched_tokens=32, max_num_seqs=8, prefix_cache=cache,
+                                  host_cache_memory=host_blocks * per_block))
+
+
+def generate(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int = 6
+             ) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Greedy tokens and reported cached tokens of each request, run together to the end."""
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
+    cached: dict[str, int] = {}
+    for o in engine.run_until_done():
+        if o.token_id is not None:
+            tokens[o.request_id].append(o.token_id)
+        if o.finish_reason is not None:
+            cached[o.request_id] = o.cached_tokens
+        engine.allocator.check_integrity()
+    return tokens, cached
+
+
+def conversation(engine: LLMEngine, sessions: int, turns: int, system: list[int], seed: int
+                 ) -> tuple[list[list[int]], list[list[int]], list[int]]:
+    """`sessions` conversations of `turns` turns sharing a system prompt; every turn resends the
+    conversation so far. Returns the prompts, the outputs, and each request's cached tokens."""
+    rng = random.Random(seed)
+    history = [list(system) for _ in range(sessions)]
+    prompts, outputs, cached = [], [], []
+    for t in range(turns):
+        batch = {}
+        for s in range(sessions):
+            history[s] += [rng.randrange(3, 300) for _ in range(rng.randint(3, 9))]  # the user's turn
+            batch[f"s{s}t{t}"] = list(history[s])
+        got, hits = generate(engine, batch)
+        for s in range(sessions):
+            rid = f"s{s}t{t}"
+            prompts.append(batch[rid])
+            outputs.append(got[rid])
+            cached.append(hits[rid])
+            history[s] += got[rid]  # the assistant's answer is part of the next prompt
+    return prompts, outputs, cached
+
+
+def near_tie(model_dir: str, prompt: list[int], ours: list[int], ref: list[int]) -> bool:
+    """The first differing position follows a top-2 logit margin below 1e-3 (reference model)."""
+    i = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + ref[:i]])).logits[0, -1]
+    top = logits.topk(2).values
+    return float(top[0] - top[1]) < 1e-3
+
+
+def assert_same_greedy(model_dir, prompts, got, ref):
+    for p, g, r in zip(prompts, got, ref):
+        assert g == r or near_tie(model_dir, p, g, r), (p, g, r)
+
+
+@pytest.mark.parametrize("blocks", [256, 24])  # 24: later turns evict earlier sessions' blocks
+def test_multiturn_cache_on_equals_off(tiny_llama_dir, blocks):
+    system = [random.Random(1).randrange(3, 300) for _ in range(37)]
+    on = make_engine(tiny_llama_dir, True, blocks)
+    off = make_engine(tiny_llama_dir, False, blocks)
+    prompts, got, cached = conversation(on, 3, 3, system, seed=5)
+    prompts_off, ref, cached_off = conversation(off, 3, 3, system, seed=5)
+    assert_same_greedy(tiny_llama_dir, prompts, got, ref)
+    assert set(cached_off) == {0}
+    assert sum(cached[3:]) > 0  # later turns reuse the conversation so far
+    assert all(c % BS == 0 and c < len(p) for c, p in zip(cached, prompts))
+    for engine in (on, off):
+        engine.allocator.check_integrity()
+        assert engine.allocator.num_used == 0 and engine.allocator.num_free == engine.pool.num_blocks
+    assert on.allocator.num_cached > 0 and off.allocator.num_cached == 0
+    if blocks == 24:
+        assert on.allocator.num_evictions > 0
+    else:
+        assert on.allocator.num_hits == sum(cached)
+        assert on.allocator.num_queries == sum(len(p) for p in prompts)
+
+
+@pytest.mark.parametrize("length", [20, 21, 23, 3])
+def test_repeated_prompt_reports_all_but_the_last_block_cached(tiny_llama_dir, length):
+    engine = make_engine(tiny_llama_dir, True)
+    prompt = [7 + i % 200 for i in range(length)]
+    first, c1 = generate(engine, {"a": prompt})
+    second, c2 = generate(engine, {"b": prompt})
+    assert c1["a"] == 0
+    assert c2["b"] == (length - 1) // BS * BS  # whole blocks, and the last token is computed
+    assert first["a"] == second["b"]
+
+
+def test_shared_prefix_in_one_step_and_abort_keep_the_books(tiny_llama_dir):
+    """Requests sharing cached blocks, one aborted mid-way: the others finish, the shared
+    blocks are held by the survivors (never freed under them), and all come back cached."""
+    engine = make_engine(tiny_llama_dir, True)
+    base = [9 + i for i in range(24)]
+    generate(engine, {"warm": base})
+    for i in range(4):
+        engine.add_request(f"r{i}", base + [100 + i, 5, 6], SamplingParams(temperature=0, max_tokens=8,
+                                                                           ignore_eos=True))
+    engine.step()
+    engine.step()
+    shared = engine.scheduler.seqs["r0"].block_table[0]
+    assert all(engine.scheduler.seqs[f"r{i}"].block_table[0] == shared for i in range(4))
+    assert engine.allocator.refcount(shared) == 4
+    engine.abort("r1")
+    engine.step()
+    assert engine.allocator.refcount(shared) == 3
+    engine.allocator.check_integrity()
+    engine.run_until_done()
+    engine.allocator.check_integrity()
+    assert engine.allocator.num_used == 0 and engine.allocator.is_cached(shared)
+
+
+def test_no_prefix_cache_flag_reaches_the_workers_engine_config():
+    from pdserve.cli import build_parser, engine_config
+    from pdserve.launcher import engine_flags
+
+    assert engine_config(build_parser().parse_args(["generate", "hi"])).prefix_cache is True
+    assert engine_config(build_parser().parse_args(["generate", "hi", "--no-prefix-cache"])).prefix_cache is False
+    serve = build_parser().parse_args(["serve", "--no-prefix-cache"])
+    flags = engine_flags(serve)
+    assert "--no-prefix-cache" in flags
+    worker = build_parser().parse_args(["worker", "--role", "both", *flags])
+    assert engine_config(worker).prefix_cache is False
+    assert "--no-prefix-cache" not in engine_flags(build_parser().parse_args(["serve"]))
+
+
+def test_multiturn_with_hits_from_the_host_tier_equals_cache_off(tiny_llama_dir):
+    """A device pool too small to keep the conversations: their blocks are evicted to host
+    memory and loaded back on the next turn; the tokens are those of the cache-off engine."""
+    system = [random.Random(2).randrange(3, 300) for _ in range(37)]
+    on = make_engine(tiny_llama_dir, True, 24, host_blocks=200)
+    off = make_engine(tiny_llama_dir, False, 24)
+    prompts, got, cached = conversation(on, 3, 3, system, seed=7)
+    _, ref, _ = conversation(off, 3, 3, system, seed=7)
+    assert_same_greedy(tiny_llama_dir, prompts, got, ref)
+    host = on.allocator.host
+    assert on.allocator.num_evictions > 0 and host.num_saved > 0 and host.num_loaded > 0
+    assert on.allocator.num_host_hits == host.num_loaded * BS
+    assert sum(cached[3:]) > 0
+    on.allocator.check_integrity()
+    assert on.allocator.num_used == 0

@@ -1,0 +1,106 @@
+"""Admission and internal auth end to end: a real colocated worker that requires the internal
+token, and routers in this process in front of it.
+
+* Overload: 4× more concurrent requests than the configured capacity; the excess gets 429 with
+  Retry-After within the queue bound, every admitted request completes correctly, none waits
+  unboundedly.
+* Internal endpoints without the token are refused (401); liveness stays open; the router,
+  which sends the token, serves."""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from pdserve.launcher import Child, start_child, stop_children, wait_ready
+
+from tests.frontend.conftest import free_port, router_config
+from tests.frontend.test_router_faults import CHAT, RouterThread
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+
+TOKEN = "s3cret-internal-token"
+CAPACITY = 2                  # the router's --worker-capacity
+QUEUE_TIMEOUT_S = 4.0
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def guarded_worker(default_model_dir) -> Iterator[Child]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", "worker", "--role", "both",
+           "--model", default_model_dir, "--port", str(port), "--worker-id", f"both-{port}",
+           "--threads", "1", "--exit-with-parent"]
+    os.environ["PDSERVE_INTERNAL_TOKEN"] = TOKEN  # the child reads it from its environment
+    try:
+        child = start_child("both", cmd, f"http://127.0.0.1:{port}")
+    finally:
+        del os.environ["PDSERVE_INTERNAL_TOKEN"]
+    wait_ready([child], 300)  # /ready needs no token
+    yield child
+    stop_children([child])
+
+
+def test_internal_endpoints_refuse_calls_without_the_token(guarded_worker):
+    url = guarded_worker.url
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
+    assert httpx.get(url + "/ready", timeout=10).status_code == 200
+    assert httpx.get(url + "/metrics", timeout=10).status_code == 200
+    body = {"request_id": "intruder", "prompt_ids": [1, 2, 3], "params": {"max_tokens": 2}}
+    for method, path, payload in (("GET", "/load", None), ("GET", "/info", None),
+                                  ("POST", "/abort", {"request_id": "x"}), ("POST", "/generate", body)):
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            r = httpx.request(method, url + path, json=payload, headers=headers, timeout=10)
+            assert r.status_code == 401, (path, r.text)
+            assert r.json()["error"]["code"] == "unauthorized"
+    good = {"Authorization": f"Bearer {TOKEN}"}
+    assert httpx.get(url + "/load", headers=good, timeout=10).status_code == 200
+
+
+async def _one(http: httpx.AsyncClient, i: int) -> tuple[int, float, httpx.Response]:
+    started = time.monotonic()
+    r = await http.post(CHAT, json={"messages": [{"role": "user", "content": f"Count to {i + 3}."}],
+                                    "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+    return i, time.monotonic() - started, r
+
+
+def test_overload_at_4x_capacity_excess_gets_429_in_bound_admitted_ones_complete(guarded_worker, default_model_dir):
+    router = RouterThread(router_config(default_model_dir, prefill_urls=[], decode_urls=[],
+                                        worker_urls=[guarded_worker.url], api_key=None, internal_token=TOKEN,
+                                        worker_capacity=CAPACITY, max_queue=CAPACITY,
+                                        queue_timeout_s=QUEUE_TIMEOUT_S))
+    try:
+        deadline = time.monotonic() + 30
+        while httpx.get(router.url + "/ready", timeout=5).status_code != 200:
+            assert time.monotonic() < deadline, "the router never saw its worker"
+            time.sleep(0.1)
+
+        async def burst() -> list[tuple[int, float, httpx.Response]]:
+            async with httpx.AsyncClient(base_url=router.url, timeout=300) as http:
+                return await asyncio.gather(*(_one(http, i) for i in range(4 * CAPACITY)))
+
+        results = asyncio.run(burst())
+        served = [r for _, _, r in results if r.status_code == 200]
+        refused = [(took, r) for _, took, r in results if r.status_code == 429]
+        assert len(served) + len(refused) == len(results), [r.text for _, _, r in results]
+        assert len(served) >= CAPACITY and refused
+        for r in served:  # every admitted request completes, correctly
+            body = r.json()
+            assert body["choices"][0]["finish_reason"] == "length"
+            assert body["usage"]["completion_tokens"] == MAX_TOKENS
+        for took, r in refused:
+            assert took <= QUEUE_TIMEOUT_S + 3, took  # nobody waits unboundedly
+            assert int(r.headers["retry-after"]) >= 1
+            error = r.json()["error"]
+            assert error["code"] == "rate_limit_exceeded" and set(error) == {"message", "type", "param", "code"}
+        metrics = httpx.get(router.url + "/metrics", timeout=10).text
+        rejected = sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                       if line.startswith("pdserve:admission_rejections_total{"))
+        assert rejected == len(refused)
+    finally:
+        router.stop()

@@ -1,0 +1,181 @@
+"""Structured outputs through the router (docs/structured-outputs.md).
+
+Without workers (`no_worker_client`): a bad constraint is a 400 naming its field, decided at
+the router before anything reaches a worker (a good one gets as far as the missing workers:
+503). With `pdserve serve --mode pd` (the default model): JSON Schema, JSON mode, vLLM's
+extras and enforced tool choice answer as OpenAI does, streamed and not alike.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from tests.frontend.router_cases import API_KEY, CHAT, COMPLETIONS
+from tests.structured.strategies import OBJECT_SCHEMAS
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 130}},
+          "required": ["name", "age"], "additionalProperties": False}
+WEATHER = {"type": "function", "function": {"name": "get_weather", "strict": True, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                     "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def schema_format(schema: Any, strict: bool = True) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "out", "schema": schema, "strict": strict}}
+
+
+def ask(content: str = "Tell me about a person.", **fields: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": 60, "temperature": 0, **fields}
+
+
+# ---- the router alone --------------------------------------------------------------------------
+
+BAD = [
+    (ask(response_format=schema_format({"type": "foo"})), "response_format", "Invalid type: foo"),
+    (ask(response_format=schema_format({"type": "object", "not": {}})), "response_format", "Unimplemented keys"),
+    (ask(response_format={"type": "json_schema"}), "response_format", "needs a 'json_schema' object"),
+    (ask(response_format={"type": "yaml"}), "response_format", "'yaml'"),
+    (ask(structured_outputs={"regex": "[a-"}), "structured_outputs", "unclosed character class"),
+    (ask(structured_outputs={"regex": "a", "choice": ["b"]}), "structured_outputs", "exactly one"),
+    (ask(guided_choice=[]), "guided_choice", "non-empty list"),
+    (ask(tools=[{"type": "function", "function": {"name": "f", "strict": True, "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "format": "weird"}}}}}], tool_choice="required"),
+     "tools", "Unknown format: weird"),
+    (ask(response_format={"type": "json_object"}, structured_outputs={"regex": "a"}), "structured_outputs",
+     "only one output constraint"),
+]
+
+
+@pytest.mark.parametrize("body, param, reason", BAD, ids=[f"{p}-{i}" for i, (_, p, _) in enumerate(BAD)])
+def test_a_bad_constraint_is_a_400_naming_its_field_before_any_worker(no_worker_client, body, param, reason):
+    r = no_worker_client.post(CHAT, json=body, headers=AUTH)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and reason in error["message"], error
+
+
+def test_a_bad_constraint_on_completions_is_a_400_too(no_worker_client):
+    r = no_worker_client.post(COMPLETIONS, json={"prompt": "x", "structured_outputs": {"grammar": "start: foo"}},
+                              headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs"
+
+
+def test_a_good_constraint_passes_the_router_to_the_missing_workers(no_worker_client):
+    r = no_worker_client.post(CHAT, json=ask(response_format=schema_format(PERSON)), headers=AUTH)
+    assert r.status_code == 503
+
+
+# ---- end to end --------------------------------------------------------------------------------
+
+
+def post(server, body: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.post(f"{server.v1}/chat/completions", json=body, headers=AUTH, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream(server, body: dict[str, Any]) -> tuple[str, dict[int, dict[str, str]], str]:
+    """(content, tool calls by index {"id", "name", "arguments"}, finish_reason) of a stream."""
+    content, calls, finish = [], {}, None
+    with httpx.stream("POST", f"{server.v1}/chat/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            delta = choice["delta"]
+            content.append(delta.get("content") or "")
+            for call in delta.get("tool_calls") or ():
+                c = calls.setdefault(call["index"], {"id": "", "name": "", "arguments": ""})
+                c["id"] += call.get("id") or ""
+                c["name"] += call.get("function", {}).get("name") or ""
+                c["arguments"] += call.get("function", {}).get("arguments") or ""
+            finish = choice["finish_reason"] or finish
+    return "".join(content), calls, finish
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("strict", [True, False])
+def test_json_schema_output_validates_and_streams_the_same(pd_server, strict):
+    body = ask(response_format=schema_format(PERSON, strict))
+    message = post(pd_server, body)["choices"][0]
+    assert message["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(message["message"]["content"]), PERSON)
+    content, calls, finish = stream(pd_server, body)
+    assert (content, calls, finish) == (message["message"]["content"], {}, "stop")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+@settings(max_examples=4, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(schema=OBJECT_SCHEMAS)
+def test_random_schemas_validate_and_stream_the_same_through_pd(pd_server, schema):
+    body = ask("Fill in the form.", response_format=schema_format(schema), max_tokens=300)
+    message = post(pd_server, body)["choices"][0]
+    assert message["finish_reason"] == "stop", (schema, message)
+    jsonschema.validate(json.loads(message["message"]["content"]), schema)
+    assert stream(pd_server, body) == (message["message"]["content"], {}, "stop")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_json_object_mode_greedy_and_sampled_gives_objects(pd_server):
+    for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 1}):
+        choice = post(pd_server, ask("Describe a cat in JSON.", response_format={"type": "json_object"},
+                                     max_tokens=200, **sampling))["choices"][0]
+        assert choice["finish_reason"] == "stop", choice
+        assert isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
+def test_vllm_choice_and_regex(pd_server):
+    choice = post(pd_server, ask("Is the sky blue?", structured_outputs={"choice": ["yes", "no"]}))["choices"][0]
+    assert choice["message"]["content"] in ("yes", "no") and choice["finish_reason"] == "stop"
+    choice = post(pd_server, ask("A date?", structured_outputs={"regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"}))
+    assert __import__("re").fullmatch(r"20\d\d-[01]\d-[0-3]\d", choice["choices"][0]["message"]["content"])
+
+
+def check_calls(calls: list[dict[str, Any]], tools: list[dict[str, Any]], name: str | None) -> None:
+    by_name = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert calls
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        assert call["function"]["name"] in by_name and (name is None or call["function"]["name"] == name)
+        jsonschema.validate(json.loads(call["function"]["arguments"]), by_name[call["function"]["name"]])
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("tool_choice, parallel", [
+    ({"type": "function", "function": {"name": "get_weather"}}, None), ("required", False), ("required", None)])
+def test_enforced_tool_choice_on_the_default_model_returns_valid_calls(pd_server, tool_choice, parallel):
+    tools = [WEATHER, TIME]
+    fields = {"tools": tools, "tool_choice": tool_choice, "max_tokens": 80}
+    if parallel is not None:
+        fields["parallel_tool_calls"] = parallel
+    body = ask("What is the weather in Paris?", **fields)
+    choice = post(pd_server, body)["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    calls = choice["message"]["tool_calls"]
+    check_calls(calls, tools, "get_weather" if isinstance(tool_choice, dict) else None)
+    if parallel is False:
+        assert len(calls) == 1
+    content, streamed, finish = stream(pd_server, body)
+    assert finish == "tool_calls" and content == ""
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in calls]

@@ -1,0 +1,93 @@
+"""Admission and preemption (issue 18): a request is admitted only when its whole prompt's
+blocks are free with one block of growth per running stream left over; running streams that
+need blocks preempt the most recently admitted first; a request alone in the running batch is
+never preempted; the prefix cache's cached blocks count as free for all of this."""
+from __future__ import annotations
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sequence import KVRole
+from pdserve.kvcache import BlockAllocator
+from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig
+from pdserve.scheduler.plan import KVPeer, SampledToken, TransferKind, TransferOutcome
+
+
+def make(num_blocks: int, caching: bool = False) -> Scheduler:
+    return Scheduler(SchedulerConfig(block_size=4, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64),
+                     BlockAllocator(num_blocks, caching=caching), frozenset({2}))
+
+
+def req(rid: str, n: int, max_tokens: int = 40, start: int = 10) -> NewRequest:
+    return NewRequest(rid, list(range(start, start + n)), SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+class Driver:
+    """Steps a scheduler, feeding back token 5 for every sequence that reached its end."""
+
+    def __init__(self, s: Scheduler):
+        self.s, self.step_no, self.sampled, self.preempted = s, 0, [], []
+
+    def step(self, inbox: Inbox | None = None, transfers=()):
+        plan = self.s.plan(self.step_no, inbox or Inbox(), self.sampled, list(transfers))
+        self.preempted += plan.preempted
+        _, batch = self.s.apply(plan)
+        self.s.allocator.check_integrity()
+        self.sampled = [SampledToken(q.request_id, 5) for q, start, n in batch if start + n == q.num_tokens]
+        self.step_no += 1
+        return plan
+
+
+def test_a_request_alone_is_never_preempted_it_waits_for_held_blocks():
+    s = make(6)
+    d = Driver(s)
+    room = NewRequest("room", list(range(10, 19)), SamplingParams(temperature=0, max_tokens=4),
+                      kv=KVRole.DECODE, peer=KVPeer("p"))
+    d.step(Inbox(new=[room]))  # 3 blocks held by a room whose KV has not landed
+    d.step(Inbox(new=[req("a", 8, max_tokens=14)]))  # 21 tokens computed at most: 6 blocks
+    for _ in range(20):
+        d.step()
+    a = s.seqs["a"]
+    assert d.preempted == [] and a.num_computed == 12 and len(a.block_table) == 3  # stalled, not preempted
+    d.step(transfers=[TransferOutcome("room", TransferKind.FAILED, error="x"),
+                      TransferOutcome("room", TransferKind.FENCED)])
+    for _ in range(30):
+        d.step()
+    assert "a" not in s.seqs and d.preempted == [] and s.allocator.num_used == 0
+
+
+def test_admission_leaves_a_reserve_and_never_preempts_running_streams():
+    s = make(8)
+    d = Driver(s)
+    d.step(Inbox(new=[req("s", 4, max_tokens=10)]))  # a running stream: 2 blocks soon
+    d.step()
+    plan = d.step(Inbox(new=[req("big", 20, max_tokens=4, start=100)]))  # 6 blocks + 1 reserve > 6 free
+    assert [c.request_id for c in plan.batch] == ["s"]
+    while "s" in s.seqs:
+        d.step()
+    assert d.preempted == []
+    plan = d.step()
+    assert [c.request_id for c in plan.batch] == ["big"]  # admitted once the stream is done
+
+
+def test_running_streams_preempt_the_most_recently_admitted_first():
+    s = make(8)
+    d = Driver(s)
+    d.step(Inbox(new=[req("old", 5, max_tokens=30)]))
+    d.step(Inbox(new=[req("mid", 5, max_tokens=30, start=50)]))
+    d.step(Inbox(new=[req("new", 5, max_tokens=30, start=90)]))
+    while not d.preempted:
+        d.step()
+    assert d.preempted[0] == "new"
+    assert s.num_preemptions == len(d.preempted)
+
+
+def test_cached_blocks_count_as_free_and_a_hit_is_planned_and_applied():
+    s = make(8, caching=True)
+    d = Driver(s)
+    d.step(Inbox(new=[req("a", 13, max_tokens=1)]))
+    while s.has_work():
+        d.step()
+    assert s.allocator.num_free == 8 and s.allocator.num_cached == 3  # the prompt's 3 full blocks
+    plan = d.step(Inbox(new=[req("b", 13, max_tokens=1)]))
+    assert [(c.request_id, c.cached, c.num_tokens) for c in plan.batch] == [("b", 12, 1)]
+    b = s.seqs["b"]
+    assert b.cached_tokens == 12 and b.num_computed == 13 and s.allocator.num_used == 4

@@ -1,0 +1,120 @@
+"""The prefix cache in real workers: multi-turn conversations sharing a system prompt, TP=2,
+colocated and PD (the prefill worker reuses its cache, the decode worker gets the prompt's KV
+from it), give the greedy tokens of a cache-off engine for every prompt; the decode's last
+line reports the prompt tokens the cache supplied (a repeated prompt: all but its last block);
+the divergence check never fires, and the pools come back."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import httpx
+import pytest
+
+from pdserve import worker_api as api
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.llm_engine import LLMEngine
+from pdserve.engine.sampling_params import SamplingParams
+
+from .conftest import pool_full, start_worker, wait_for
+from .test_tp import near_tie
+
+GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
+BS = 16  # the workers' default block size
+
+
+async def generate(http: httpx.AsyncClient, prefill, decode, rid: str, prompt: list[int]
+                   ) -> tuple[list[int], int]:
+    """(tokens, cached_tokens) of one request, PD when `prefill` is given."""
+    body = api.GenerateRequest(request_id=rid, prompt_ids=prompt, params=api.SamplingParams(**GREEDY))
+    if prefill is not None:
+        body.prefill_url, body.prefill_worker_id = prefill.url, prefill.worker_id
+    tokens, prefill_call = [], None
+    async with http.stream("POST", decode.url + "/generate", json=body.wire()) as r:
+        assert r.status_code == 200, await r.aread()
+        async for text in r.aiter_lines():
+            msg = api.parse_line(text)
+            if isinstance(msg, api.RoomLine):
+                target = api.DecodeTarget(worker_id=msg.room.worker_id, decode_url=decode.url,
+                                          blocks=msg.room.blocks)
+                req = api.PrefillRequest(request_id=rid, prompt_ids=prompt, params=body.params, decode=target)
+                prefill_call = asyncio.create_task(http.post(prefill.url + "/prefill", json=req.wire()))
+                continue
+            tokens += msg.token_ids
+            if msg.finish_reason is not None:
+                assert msg.error is None and msg.finish_reason.value == "length", msg
+                if prefill_call is not None:  # the prefill worker's own count agrees
+                    done = api.PrefillDone.model_validate((await prefill_call).json())
+                    assert done.cached_tokens == msg.cached_tokens
+                return tokens, msg.cached_tokens
+    raise AssertionError("the stream ended without a finish")
+
+
+def conversation(prefill, decode, sessions: int = 3, turns: int = 3, seed: int = 0):
+    """Every turn resends the conversation so far; returns (prompt, tokens, cached) per request."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 300) for _ in range(50)]
+    history = [list(system) for _ in range(sessions)]
+    out = []
+
+    async def go():
+        async with httpx.AsyncClient(timeout=120) as http:
+            for t in range(turns):
+                for h in history:
+                    h += [rng.randrange(3, 300) for _ in range(rng.randint(4, 12))]
+                prompts = [list(h) for h in history]
+                got = await asyncio.gather(*(generate(http, prefill, decode, f"c{seed}-{s}-{t}", p)
+                                             for s, p in enumerate(prompts)))
+                for h, p, (tokens, cached) in zip(history, prompts, got):
+                    out.append((p, tokens, cached))
+                    h += tokens
+            # the last prompt again: everything but its last block comes from the cache
+            p = out[-1][0]
+            out.append((p, *await generate(http, prefill, decode, f"c{seed}-again", p)))
+    asyncio.run(asyncio.wait_for(go(), 400))
+    return out
+
+
+def reference(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
+    engine = LLMEngine(EngineConfig(model=model_dir, prefix_cache=False))
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(**GREEDY))
+    out = {f"r{i}": [] for i in range(len(prompts))}
+    for o in engine.run_until_done():
+        if o.token_id is not None:
+            out[o.request_id].append(o.token_id)
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def check(model_dir: str, results) -> None:
+    prompts = [p for p, _, _ in results]
+    ref = reference(model_dir, prompts)
+    for (p, tokens, _), r in zip(results, ref):
+        assert tokens == r or near_tie(model_dir, p, tokens, r), (p, tokens, r)
+    cached = [c for _, _, c in results]
+    assert min(cached[:3]) == 0  # the first request scheduled found nothing cached
+    assert all(c > 0 for c in cached[3:])  # later turns reuse the conversation so far
+    assert cached[-1] == (len(prompts[-1]) - 1) // BS * BS
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_multiturn_tp2_colocated_and_pd_equal_a_cache_off_engine(tiny_llama4_dir):
+    both = start_worker("both", tiny_llama4_dir, "--tp", "2", "--check-divergence", "4")
+    try:
+        check(tiny_llama4_dir, conversation(None, both, seed=1))
+        assert both.get("/health").status_code == 200  # no divergence was found
+        wait_for(lambda: pool_full(both), 20, "pool full")
+    finally:
+        both.stop()
+    prefill = start_worker("prefill", tiny_llama4_dir, "--tp", "2", "--check-divergence", "4")
+    decode = start_worker("decode", tiny_llama4_dir, "--tp", "2", "--check-divergence", "4")
+    try:
+        check(tiny_llama4_dir, conversation(prefill, decode, seed=2))
+        assert prefill.get("/health").status_code == 200 and decode.get("/health").status_code == 200
+        metrics = prefill.get("/metrics").text
+        assert "pdserve:prefix_cache_hits_total" in metrics
+        wait_for(lambda: pool_full(prefill) and pool_full(decode), 20, "pools full")
+    finally:
+        prefill.stop()
+        decode.stop()
