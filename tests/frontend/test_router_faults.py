@@ -191,6 +191,10 @@ def test_a_prefill_worker_killed_mid_prefill_fails_the_request_within_2s(cluster
     router, prefill = cluster["router"], cluster["prefill"]
     port = int(prefill.url.rsplit(":", 1)[1])
     body = {**LONG, "messages": [{"role": "user", "content": " hello" * 3000}], "max_tokens": 4}
+    # the decode worker detects a dead source by pinging the sources it has heard from: one
+    # request first, so that this prefill worker has connected (a source killed before its first
+    # write is only fenced by the 30 s fence lease — issue 20 lets the router say it is dead)
+    assert httpx.post(router.url + CHAT, json=SHORT, timeout=60).status_code == 200
 
     def kill_during_prefill() -> None:
         deadline = time.monotonic() + 30
