@@ -195,9 +195,12 @@ def test_sigterm_during_32_streams_drains_finishes_or_stops_each_and_exits_zero(
 
         async def stream(http: httpx.AsyncClient, i: int) -> tuple[bool, list[str], float]:
             nonlocal opened
-            short = i % 2 == 0  # short ones can finish within the drain timeout; long ones cannot
+            # short ones can finish within the drain timeout; long ones cannot. A stream opens at
+            # its first token, so a short one must outlast the others' prefills (all in flight at
+            # the signal)
+            short = i % 2 == 0
             events: list[str] = []
-            req = body(f"Tell me about the number {i}.", max_tokens=8 if short else 2000, ignore_eos=True,
+            req = body(f"Tell me about the number {i}.", max_tokens=24 if short else 2000, ignore_eos=True,
                        stream=True)
             async with http.stream("POST", "/chat/completions", json=req) as r:
                 assert r.status_code == 200
