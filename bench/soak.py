@@ -36,7 +36,7 @@ import httpx
 
 CHAT = "/v1/chat/completions"
 RSS_GROWTH_MAX = 0.05
-FD_SLACK = 8  # sockets of probes and keep-alive pools come and go
+FD_SLACK = 16  # sockets of probes and keep-alive pools come and go; a leak per request is hundreds
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
@@ -275,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(load(url, warmup, args.clients, args.seed, tally))
         pids = tree(proc.pid) if proc is not None else []
         names = {q: cmdline(q) for q in pids}
+        workers_idle(url, token, 60)  # sampled in the same state as the end: idle, pools full
         base = sample(pids)
         asyncio.run(load(url, max(0.0, args.duration - (time.monotonic() - started)), args.clients,
                          args.seed + 1, tally))
