@@ -59,6 +59,14 @@ SOAK_S ?= 1800
 soak: setup
 	$(PY) bench/soak.py --duration $(SOAK_S) --out bench/results/soak-$(SOAK_S)s.json
 
+# Chaos (bench/chaos.py, docs/supervision.md): a load against `pdserve serve` while its processes
+# are killed and paused at random for CHAOS_S seconds; then: every request succeeded or failed with
+# an error object, serve healed, nothing leaked. Not part of `make test`.
+CHAOS_S ?= 1800
+.PHONY: chaos
+chaos: setup
+	$(PY) bench/chaos.py --duration $(CHAOS_S) --out bench/results/chaos-$(CHAOS_S)s.json
+
 # CPU of an idle `pdserve serve --tp 3` over a minute.
 idle-cpu: setup
 	$(PY) bench/idle_cpu.py --tp 3 --window 60

@@ -1,5 +1,6 @@
 """CPU an idle `pdserve serve` uses: start it, wait until ready, let it settle, then sum the CPU
-time (user + system) of its whole process tree over a window (docs/liveness.md).
+time (user + system) of its whole process tree over a window (docs/liveness.md). Below each
+process, its threads that ran or woke noticeably: CPU (the scheduler's clock) and wake-ups.
 
     python bench/idle_cpu.py --tp 3 --window 60
 """
@@ -25,6 +26,22 @@ def cpu_seconds(pid: int) -> float:
         return 0.0
 
 
+def threads(pid: int) -> dict[int, tuple[str, float, int]]:
+    """Each thread of `pid`: (name, CPU seconds on the scheduler's exact clock, voluntary
+    context switches: how often it went to sleep, i.e. woke up)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            name = (task / "comm").read_text().strip()
+            ran_ns = int((task / "schedstat").read_text().split()[0])
+            status = (task / "status").read_text()
+            wakes = int(status.split("voluntary_ctxt_switches:")[1].split()[0])
+        except (OSError, IndexError, ValueError):
+            continue
+        out[int(task.name)] = (name, ran_ns / 1e9, wakes)
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tp", type=int, default=3)
@@ -40,8 +57,10 @@ def main() -> int:
         pids = tree(proc.pid)
         names = {q: cmdline(q) for q in pids}
         before = {q: cpu_seconds(q) for q in pids}
+        before_threads = {q: threads(q) for q in pids}
         time.sleep(args.window)
         after = {q: cpu_seconds(q) for q in pids}
+        after_threads = {q: threads(q) for q in pids}
     finally:
         stop_serve(proc)
     total = 0.0
@@ -49,6 +68,11 @@ def main() -> int:
         used = after[q] - before[q]
         total += used
         print(f"{used / args.window:7.2%}  pid {q}  {names[q]}")
+        for tid, (name, ran, wakes) in sorted(after_threads[q].items()):
+            _, ran0, wakes0 = before_threads[q].get(tid, (name, 0.0, 0))
+            if ran - ran0 > 0.001 * args.window or wakes - wakes0 > args.window:
+                print(f"         {(ran - ran0) / args.window:7.3%}  {(wakes - wakes0) / args.window:6.1f} wakes/s"
+                      f"  thread {name}")
     print(f"total: {total:.2f} CPU-s over {args.window:.0f} s = {total / args.window:.2%} of one core "
           f"({len(pids)} processes)")
     return 0

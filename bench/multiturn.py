@@ -3,6 +3,7 @@
     python bench/multiturn.py                          # 4 sessions × 4 turns, ≈1,200-token system prompt
     python bench/multiturn.py --sessions 2 --turns 3 --system-words 500 --modes colocated
     python bench/multiturn.py --no-llama --pdserve-arg=--kernels=torch
+    python bench/multiturn.py --no-llama --modes pd --cache on --scale 2      # 1 vs 2 prefill workers
 
 S sessions run at once; each sends T chat turns one after another, every turn resending the
 whole conversation so far (the shared system prompt, the user's turns, the answers), greedy
@@ -12,6 +13,13 @@ and llama-server (which reuses a slot's cached prompt) when its binary is presen
 TTFT of the first turns and of the later turns, output tok/s, and the prefix cache hit rate
 (prompt tokens the server reported as cached over prompt tokens, from
 `usage.prompt_tokens_details.cached_tokens`). Prints a table, writes JSON to bench/results/.
+
+`--scale N` adds servers with N workers where one did the work before — N prefill workers in PD
+mode (`--prefill-workers N`, one decode worker), N colocated workers (`--workers N`) — once per
+`--routings` policy (cache-aware, least-loaded): what cache-aware routing keeps of the hit rate
+when the sessions are spread over several caches. Their rows also show the router's routing
+decisions (`pdserve:routing_decisions_total`: to a prefix holder, away from a too busy one, by
+load).
 """
 from __future__ import annotations
 
@@ -24,6 +32,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import re
 
 import httpx
 
@@ -54,6 +64,8 @@ class Target:
     command: str
     mode: str
     cache: bool | None  # None: not pdserve
+    workers: int = 1    # prefill workers (pd) or colocated workers doing the prefills
+    routing: str = "-"  # --routing of the router, with several workers
 
 
 def text(rng: random.Random, n: int) -> str:
@@ -150,6 +162,7 @@ def run_target(t: Target, args: argparse.Namespace, system: str) -> dict:
         t0 = time.perf_counter()
         results = asyncio.run(_all(srv.base_url, model, args, system))
         wall = time.perf_counter() - t0
+        routed = routing_decisions(srv.base_url) if t.cache is not None else {}
     finally:
         stopped = stop(srv, args.stop_grace)
     turns = [x for r in results for x in r]
@@ -157,8 +170,20 @@ def run_target(t: Target, args: argparse.Namespace, system: str) -> dict:
     print(f"  TTFT first p50 {s['ttft_first_p50_s']:.2f} s, later p50 {s['ttft_later_p50_s']:.2f} s, "
           f"hit rate {s['hit_rate'] if s['hit_rate'] is not None else '-'}, {s['failed']} failed "
           f"({load_average()})", flush=True)
-    return {**asdict(t), **s, "turns": [asdict(x) for x in turns], "stop": stopped, "log": str(srv.log_path),
-            "load1": os.getloadavg()[0]}
+    return {**asdict(t), **s, "routing_decisions": routed, "turns": [asdict(x) for x in turns], "stop": stopped,
+            "log": str(srv.log_path), "load1": os.getloadavg()[0]}
+
+
+def routing_decisions(base_url: str) -> dict[str, float]:
+    """The router's routing decisions by reason, from its /metrics ({} when it has none)."""
+    try:
+        text = httpx.get(f"{base_url}/metrics", timeout=10.0).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for m in re.finditer(r'^pdserve:routing_decisions_total\{[^}]*reason="(\w+)"[^}]*\} (\S+)$', text, re.M):
+        out[m.group(1)] = float(m.group(2))
+    return out
 
 
 async def _warm(base_url: str, model: str, t: Turn) -> None:
@@ -184,11 +209,18 @@ def targets(args: argparse.Namespace) -> tuple[list[Target], str | None]:
                                           f"-np {args.sessions} -c {ctx} --host 127.0.0.1", "-", None))
     extra = " ".join(args.pdserve_arg)
     for mode in args.modes:
-        for cache in (True, False):
+        for cache in args.cache:
             flag = "" if cache else "--no-prefix-cache"
             command = f"{sys.executable} -m pdserve.launcher --mode {mode} {flag} {extra}"
             out.append(Target(f"pdserve {mode} cache {'on' if cache else 'off'}", " ".join(command.split()),
                               mode, cache))
+        if args.scale > 1:
+            many = f"--prefill-workers {args.scale}" if mode == "pd" else f"--workers {args.scale}"
+            kind = "prefill workers" if mode == "pd" else "workers"
+            for routing in args.routings:
+                command = f"{sys.executable} -m pdserve.launcher --mode {mode} {many} --routing {routing} {extra}"
+                out.append(Target(f"pdserve {mode} {args.scale} {kind} {routing}", " ".join(command.split()),
+                                  mode, True, args.scale, routing))
     return out, note
 
 
@@ -200,6 +232,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--user-words", type=int, default=40, help="words of each user turn")
     p.add_argument("--output-len", type=int, default=24)
     p.add_argument("--modes", type=lambda s: s.split(","), default=["colocated", "pd"])
+    p.add_argument("--cache", type=lambda s: [{"on": True, "off": False}[x] for x in s.split(",")],
+                   default=[True, False], help="on,off (default): the one-worker servers to run")
+    p.add_argument("--scale", type=int, default=2,
+                   help="also run N prefill workers (pd) / N colocated workers, once per --routings "
+                        "policy (0 or 1: not)")
+    p.add_argument("--routings", type=lambda s: s.split(","), default=["cache-aware", "least-loaded"])
     p.add_argument("--llama-server", default=str(LLAMA_BIN))
     p.add_argument("--no-llama", action="store_true")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server -t")
@@ -224,17 +262,19 @@ def main(argv: list[str] | None = None) -> int:
     results = [run_target(t, args, system) for t in servers]
     base = {r["mode"]: r for r in results if r.get("cache") is False and "error" not in r}
     headers = ["server", "TTFT turn 1 p50 s", "TTFT later p50 s", "later p90 s", "tok/s", "hit rate",
-               "later hit rate", "prompt tok", "failed", "later TTFT vs cache off"]
+               "later hit rate", "prompt tok", "failed", "later TTFT vs cache off", "routed prefix/balance/load"]
     rows = []
     for r in results:
         if "error" in r:
-            rows.append([r["label"]] + [None] * 8 + ["launch failed"])
+            rows.append([r["label"]] + [None] * 8 + ["launch failed", None])
             continue
         off = base.get(r["mode"])
         speedup = off["ttft_later_p50_s"] / r["ttft_later_p50_s"] if off and r["ttft_later_p50_s"] else None
+        routed = r.get("routing_decisions") or {}
         rows.append([r["label"], r["ttft_first_p50_s"], r["ttft_later_p50_s"], r["ttft_later_p90_s"],
                      r["output_tok_s"], r["hit_rate"], r["hit_rate_later"], r["mean_prompt_tokens"], r["failed"],
-                     f"{speedup:.1f}x" if speedup else None])
+                     f"{speedup:.1f}x" if speedup else None,
+                     "/".join(str(int(routed.get(k, 0))) for k in ("prefix", "balance", "load")) if routed else None])
     print()
     print(table(headers, rows))
     print(f"\nstart: {env['load_average']}; end: {load_average()}")

@@ -2,7 +2,7 @@
 
     python bench/offline.py [--batch-sizes 1,8,32,64] [--input-len 64] [--output-len 64]
                             [--threads 1] [--hf-max-batch 64] [--repeats 1] [--out PATH] [--quick]
-                            [--kernels auto|torch|native] [--op-bench]
+                            [--kernels auto|torch|native] [--op-bench] [--ab-op NAME]
 
 Every batch size runs the same random prompts (fixed length, greedy, every request made to emit
 exactly --output-len tokens) through the engine (all requests added at once, stepped until done)
@@ -11,11 +11,15 @@ a PNG (tok/s, tok per CPU-second and ms/token vs concurrency) next to it. Per-to
 from when the caller sees each token: engine `step()` returns, and a logits-processor hook in
 transformers. Tokens per CPU-second of this process is the number to compare on a busy machine.
 The batch-1 decode step is set against the memory roofline (bytes of weights read per step ÷
-30 GB/s); `--op-bench` adds each op's time before and after (bench/op_bench.py).
+30 GB/s); `--op-bench` adds each op's time before and after (bench/op_bench.py). `--ab-op NAMES`
+(comma-separated, e.g. paged_attention,rms_norm) runs every engine repeat twice, alternating:
+once with those ops of `pdserve_kernels` bound to their torch references (before), once as
+chosen (after), so both see the same background load; each batch prints both and the ratio.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import statistics
@@ -181,6 +185,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="the engine's weights: none (fp32, what transformers also runs) | auto | gguf | int8 | int4")
     p.add_argument("--op-bench", action="store_true",
                    help="also time each fused/native op before and after (bench/op_bench.py)")
+    p.add_argument("--ab-op", default=None, metavar="NAMES",
+                   help="alternate each engine run with these ops (comma-separated) on their torch "
+                        "references (before) and as chosen (after)")
     p.add_argument("--quick", action="store_true", help="smoke run: batches 1,4; 16 in, 8 out")
     args = p.parse_args(argv)
     if args.quick:  # smaller defaults; flags given explicitly still win
@@ -275,7 +282,12 @@ def measure(b: int, args: argparse.Namespace, llm, hf: tuple | None, vocab: int)
     elif b > args.hf_max_batch:
         cell["hf_skipped"] = f"batch {b} > --hf-max-batch {args.hf_max_batch}"
     runs: dict[str, list[Run]] = {"engine": [], "hf": []}
+    if args.ab_op:
+        runs["engine_before"] = []
     for r in range(args.repeats):
+        if args.ab_op:
+            with reference_op(args.ab_op):
+                runs["engine_before"].append(run_engine(llm, prompts, args.output_len, f"b{b}r{r}ref"))
         runs["engine"].append(run_engine(llm, prompts, args.output_len, f"b{b}r{r}"))
         if hf is not None and cell["hf_skipped"] is None:
             runs["hf"].append(run_hf(hf[0], prompts, args.output_len, hf[1]))
@@ -285,10 +297,36 @@ def measure(b: int, args: argparse.Namespace, llm, hf: tuple | None, vocab: int)
             cell[system]["tok_s_runs"] = [x.output_tokens / x.wall_s for x in rs]
             cell[system]["tok_per_cpu_s_runs"] = [x.output_tokens / x.cpu_s for x in rs]
     cell["load_average_after"] = list(os.getloadavg())
+    if args.ab_op:  # medians of the runs; tokens per CPU-second holds best under background load
+        before, after = runs["engine_before"], runs["engine"]
+        cpu = [statistics.median(r.output_tokens / r.cpu_s for r in rs) for rs in (before, after)]
+        wall = [statistics.median(r.output_tokens / r.wall_s for r in rs) for rs in (before, after)]
+        # each after-run against the before-run just ahead of it: the pairs share the load
+        paired = statistics.median(a.wall_s and r.wall_s / a.wall_s for r, a in zip(before, after))
+        cell["ab"] = {"ops": args.ab_op, "tok_per_cpu_s": cpu, "tok_s": wall, "paired_wall_ratio": paired}
+        print(f"  batch {b}: {args.ab_op} reference → {llm.engine.kernels.backend.value}: "
+              f"{cpu[0]:.1f} → {cpu[1]:.1f} tok/cpu-s ({cpu[1] / cpu[0]:.2f}×), "
+              f"{wall[0]:.1f} → {wall[1]:.1f} tok/s (paired runs: {paired:.2f}×)", flush=True)
     print(f"  batch {b}: engine {cell['engine']['tok_s']:.1f} tok/s"
           + (f", hf {cell['hf']['tok_s']:.1f} tok/s" if cell["hf"] else ", hf skipped")
           + f"  ({load_average()})", flush=True)
     return cell
+
+
+@contextlib.contextmanager
+def reference_op(names: str):
+    """The ops `names` (comma-separated) of pdserve_kernels run their torch references inside."""
+    from pdserve_kernels import dispatch
+
+    ops = [dispatch.OPS[n] for n in names.split(",")]
+    chosen = [op.impl for op in ops]
+    for op in ops:
+        op.impl = op.reference
+    try:
+        yield
+    finally:
+        for op, impl in zip(ops, chosen):
+            op.impl = impl
 
 
 def _plain(args: dict) -> dict:

@@ -101,6 +101,39 @@ def quantized_matmuls(tokens: int) -> list[dict]:
     return rows
 
 
+def decode_attention(tokens: int, context: int = 256, heads: int = 9, kv_heads: int = 3, head_dim: int = 64,
+                     block_size: int = 16) -> list[dict]:
+    """One layer's decode attention for `tokens` sequences of `context` cached tokens: the torch
+    reference (gather the blocks, padding mask, SDPA) against the native CPU kernel (K/V read in
+    place through the block tables)."""
+    from pdserve_kernels import attention, attention_cpu, cpu_lib
+
+    per_seq = (context + block_size - 1) // block_size
+    blocks = tokens * per_seq
+    k_cache = torch.randn(blocks, block_size, kv_heads, head_dim)
+    v_cache = torch.randn(blocks, block_size, kv_heads, head_dim)
+    tables = torch.randperm(blocks).view(tokens, per_seq)
+    q = torch.randn(tokens, heads + 2 * kv_heads, head_dim)[:, :heads]
+    starts, lens = list(range(tokens + 1)), [context] * tokens
+    ref = timeit(lambda: attention.paged_attention(q, k_cache, v_cache, starts, lens, tables, 0.125))
+    nat = (timeit(lambda: attention_cpu.paged_attention_cpu(q, k_cache, v_cache, starts, lens, tables, 0.125))
+           if cpu_lib.availability() else float("nan"))
+    return [_row(f"decode attention, context {context} (per layer)", tokens, ref, nat)]
+
+
+def native_rms_norm(tokens: int, hidden: int = 576) -> list[dict]:
+    """RMSNorm with the residual add: the torch form the engine ran (in-place add, fused
+    `rms_norm`) against the one native call."""
+    from pdserve_kernels import cpu_lib, norm
+
+    x, res, w = torch.randn(tokens, hidden), torch.randn(tokens, hidden), torch.randn(hidden)
+    copy = timeit(lambda: x.clone())
+    ref = timeit(lambda: norm.rms_norm(x.clone(), res, w, 1e-5)) - copy
+    nat = (timeit(lambda: norm.rms_norm_cpu(x.clone(), res, w, 1e-5)) - copy
+           if cpu_lib.availability() else float("nan"))
+    return [_row("rmsnorm + residual: torch → native", tokens, ref, nat)]
+
+
 def _row(op: str, tokens: int, before: float, after: float) -> dict:
     return {"op": op, "tokens": tokens, "before_us": before * 1e6, "after_us": after * 1e6,
             "speedup": before / after if after > 0 else None}
@@ -141,6 +174,8 @@ def all_rows(tokens: list[int]) -> list[dict]:
     rows = []
     for t in tokens:
         rows += fused_ops(t)
+        rows += decode_attention(t)
+        rows += native_rms_norm(t)
         rows += quantized_matmuls(t)
     return rows
 

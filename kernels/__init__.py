@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import functools
 
-from . import attention, attention_cuda, cpu_lib, quant
+from . import attention, attention_cpu, attention_cuda, cpu_lib, norm, quant
 from .dispatch import (Availability, Backend, KernelsUnavailable, Selection, configure, current,
                        register, register_library, select)
 
 __all__ = ["Availability", "Backend", "KernelsUnavailable", "Selection", "backend_name", "configure",
-           "current", "gather_kv", "paged_attention", "qmatmul", "register", "register_library", "select",
-           "store_kv"]
+           "current", "gather_kv", "paged_attention", "qmatmul", "register", "register_library", "rms_norm",
+           "select", "store_kv"]
 
 gather_kv = attention.gather_kv
 
@@ -27,7 +27,8 @@ register_library("cuda", attention_cuda.availability)
 # ---- ops: the torch reference, then the native variant per device type (one line each) ----
 store_kv = register("store_kv", attention.store_kv)
 paged_attention = register("paged_attention", attention.paged_attention,
-                           cuda=attention_cuda.paged_attention_cuda)
+                           cpu=attention_cpu.paged_attention_cpu, cuda=attention_cuda.paged_attention_cuda)
+rms_norm = register("rms_norm", norm.rms_norm, cpu=norm.rms_norm_cpu)
 qmatmul = register("qmatmul", functools.partial(quant.qmatmul, force="torch"),
                    cpu=functools.partial(quant.qmatmul, force="native"))
 

@@ -1,4 +1,5 @@
-"""Build, cache and load libpdserve_cpu.so (csrc/cpu/: quantized matmuls, AVX2 and AVX-512 VNNI).
+"""Build, cache and load libpdserve_cpu.so (csrc/cpu/: quantized matmuls, AVX2 and AVX-512 VNNI;
+paged decode attention and fused residual add + RMSNorm, AVX2).
 
 `make setup` builds it (`python -m pdserve_kernels.cpu_lib`); a process that finds no build for
 the current sources builds it on first use (seconds, the system C++ compiler, nothing fetched).
@@ -31,7 +32,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LIB_NAME = "libpdserve_cpu.so"
-ABI_VERSION = 3
+ABI_VERSION = 5
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-DNDEBUG")
 UNIT_FLAGS: dict[str, tuple[str, ...]] = {
@@ -39,6 +40,8 @@ UNIT_FLAGS: dict[str, tuple[str, ...]] = {
     "qgemm_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
     "qgemm_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                          "-mavx512dq", "-mavx512vnni"),
+    "attention_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
+    "norm_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
 }
 ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
 ISA_NAMES = {1: "avx2", 2: "avx512"}
@@ -129,6 +132,11 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
     lib.pds_cpu_qmatmul.argtypes = [_I, _P, _I64, _I64, _P, _I64, _P, _I, _I, _I]
     lib.pds_cpu_dequantize.restype = _I
     lib.pds_cpu_dequantize.argtypes = [_I, _P, _I64, _I64, _P, _I, _I]
+    lib.pds_cpu_paged_decode_attention.restype = _I
+    lib.pds_cpu_paged_decode_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, *[_I64] * 5,
+                                                   ctypes.c_float, _P, _I]
+    lib.pds_cpu_add_rms_norm.restype = _I
+    lib.pds_cpu_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
     if lib.pds_cpu_abi_version() != ABI_VERSION:
         return None, Availability(False, f"{path}: ABI {lib.pds_cpu_abi_version()}, need {ABI_VERSION}")
     isa = lib.pds_cpu_isa(0)
@@ -185,6 +193,51 @@ def dequantize(fmt: int, blocks: torch.Tensor, n: int, k: int, isa: str | None =
                                     threads or torch.get_num_threads())
     if status:
         raise RuntimeError(f"pds_cpu_dequantize: status {status} (fmt {fmt}, N {n}, K {k})")
+    return out
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, lens: torch.Tensor, scale: float,
+                           threads: int | None = None) -> torch.Tensor:
+    """out[B, heads, head_dim]: each sequence's one query over its first `lens[b]` cached tokens,
+    K/V read in place through `block_tables` (fp32 q and caches `[blocks, block_size, kv_heads,
+    head_dim]`; int64 tables and lens; q's heads and head_dim contiguous, any token stride)."""
+    lib = _loaded()
+    B, heads, d = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if (q.dtype, k_cache.dtype, v_cache.dtype) != (torch.float32,) * 3 or q.stride()[1:] != (d, 1) \
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or block_tables.stride(-1) != 1 \
+            or block_tables.dtype != torch.int64 or lens.dtype != torch.int64 or not lens.is_contiguous():
+        raise ValueError("paged_decode_attention: fp32 q (heads, head_dim contiguous), contiguous fp32 "
+                         "caches, int64 block tables (rows contiguous) and lengths")
+    out = torch.empty(B, heads, d, dtype=torch.float32)
+    status = lib.pds_cpu_paged_decode_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), lens.data_ptr(), B, heads, kv_heads, d, block_size, scale,
+        out.data_ptr(), threads or torch.get_num_threads())
+    if status:
+        why = "AVX2 unavailable" if status == 1 else "bad arguments"
+        raise RuntimeError(f"pds_cpu_paged_decode_attention: {why} (B {B}, heads {heads}, "
+                           f"kv_heads {kv_heads}, head_dim {d}, block_size {block_size})")
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 threads: int | None = None) -> torch.Tensor:
+    """rms_norm(x + residual) * weight for contiguous fp32 rows `[..., dim]`; the sum is written
+    into `x` (when `residual` is given). Returns the normed rows (a new tensor)."""
+    lib = _loaded()
+    dim = x.shape[-1]
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors) or weight.shape != (dim,) \
+            or (residual is not None and residual.shape != x.shape):
+        raise ValueError("add_rms_norm: contiguous fp32 x, residual of x's shape and weight [dim]")
+    out = torch.empty_like(x)
+    status = lib.pds_cpu_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
+                                      weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
+                                      threads or torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"pds_cpu_add_rms_norm: status {status} (shape {tuple(x.shape)})")
     return out
 
 

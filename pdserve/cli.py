@@ -4,12 +4,18 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
-from pdserve.engine.config import EngineConfig
+from pdserve.preflight import check_argv, parse_size
+
+if TYPE_CHECKING:
+    from pdserve.engine.config import EngineConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     """Flags shared by every command that runs a model."""
+    from pdserve.engine.config import EngineConfig  # imports torch: only once a model will run
+
     d = EngineConfig()
     p.add_argument("--model", default=None,
                    help="model directory (Hugging Face layout), a .gguf file, or 'default' "
@@ -52,6 +58,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from pdserve.engine.config import EngineConfig
+
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
@@ -71,14 +79,10 @@ def _default_threads(args: argparse.Namespace) -> int:
 
 
 def _bytes(text: str) -> int:
-    units = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,
-             "kb": 1000, "mb": 10**6, "gb": 10**9, "b": 1, "": 1}
-    t = text.strip().lower()
-    num = t.rstrip("kmgib")
-    try:
-        return int(float(num) * units[t[len(num):]])
-    except (KeyError, ValueError):
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)") from None
+    size = parse_size(text)
+    if size is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 512MiB, 2GiB)")
+    return size
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -169,6 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Configuration that cannot work is refused in one line before the heavy imports (torch, the
+    # model): --tp against the heads, the model's path, the port, the KV pool (pdserve.preflight).
+    error = check_argv(sys.argv[1:] if argv is None else argv)
+    if error is not None:
+        print(error, file=sys.stderr, flush=True)
+        return 2
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

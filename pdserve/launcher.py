@@ -10,23 +10,31 @@ each worker's load (its KV pool is full again: nothing leaked), then stops the w
 to each process group (they drain too, with nothing left to drain), a grace period, SIGKILL for
 stragglers; serve exits with 0. Each child also gets PR_SET_PDEATHSIG, so a launcher killed
 outright (SIGKILL) still takes its workers along. If a worker exits during start-up, its last
-lines of output are shown and serve exits with 1; if one exits while serving, the router stops
-and serve exits with 1.
+lines of output are shown and serve exits with 1 (a configuration that cannot work is refused
+before any worker starts, in one line, exit 2: pdserve.preflight).
+
+While serving, `serve` supervises its workers (pdserve.supervisor, docs/supervision.md): a
+worker that exits is restarted whole (a new process group, the same port, a new worker id)
+after a delay that doubles while it keeps failing, and the router takes it back into rotation
+when it answers again; requests that need it wait in the admission queue meanwhile. A crash
+loop ends serve with the worker's last error as one line (exit 1); the router drains first, so
+every stream ends with [DONE] or an error event.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -39,6 +47,9 @@ from pdserve.frontend.cli import (add_http_flags, add_model_flags, internal_toke
 from pdserve.frontend.config import RouterConfig
 from pdserve.logs import setup_logging
 from pdserve.model_name import served_name
+from pdserve.ports import free_port
+from pdserve.preflight import ConfigError, Settings, check, parse_size
+from pdserve.supervisor import History, RestartPolicy, Supervision, decide, describe_exit, last_error
 
 logger = logging.getLogger(__name__)
 
@@ -79,33 +90,131 @@ class Child:
         return "\n".join(f"    {line}" for line in self.tail) or "    (no output)"
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+SUPERVISE_TICK_S = 1.0  # exits wake the supervisor at once; this only bounds a missed wake-up
+
+
+@dataclass
+class Slot:
+    """One supervised worker: its command, its process now, its restarts."""
+
+    child: Child
+    cmd: list[str]
+    on_exit: Callable[[], None] | None = None  # wakes the supervisor the moment the worker exits
+    started_at: float = field(default_factory=time.monotonic)
+    history: History = field(default_factory=History)
+    restart_at: float | None = None   # a restart is due then (None: none pending)
+
+    @property
+    def name(self) -> str:
+        return self.child.name
+
+    def restart(self) -> None:
+        """The same command with a new worker id (its peers must not take it for the old one,
+        whose rooms and transfers died with it); a fresh process group, so fresh ranks."""
+        _signal_group(self.child, signal.SIGKILL)  # ranks the dead worker left behind, if any
+        self.restart_at = None
+        cmd = list(self.cmd)
+        if "--worker-id" in cmd:
+            i = cmd.index("--worker-id") + 1
+            cmd[i] = f"{self.cmd[i]}-r{self.history.restarts}"
+        self.child = start_child(self.child.name, cmd, self.child.url, self.child.json_logs, self.on_exit)
+        self.started_at = time.monotonic()
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Supervision ends serve: the exit code and the one line that says why."""
+
+    code: int
+    line: str
+
+
+def supervise(slots: list[Slot], s: Supervision, now: float,
+              on_down: Callable[[str, bool], None] = lambda url, back: None) -> Verdict | None:
+    """One look at every worker: restart those due, decide about those that exited. `on_down(url,
+    coming_back)` tells the router a worker is down and whether it will be back."""
+    for slot in slots:
+        if slot.restart_at is not None:
+            if now >= slot.restart_at:
+                slot.restart()
+            continue
+        code = slot.child.proc.poll()
+        if code is None:
+            continue
+        time.sleep(0.05)  # let the relay catch its last lines
+        error = last_error(slot.child.tail) or f"the {slot.name} worker {describe_exit(code)}"
+        decision = decide(s, code, slot.started_at, now, slot.history)
+        if decision.restart:
+            logger.error("the %s worker %s; restarting it in %.1f s (restart %d). Its last output:\n%s",
+                         slot.name, describe_exit(code), decision.delay_s, slot.history.restarts,
+                         slot.child.tail_text())
+            slot.restart_at = now + decision.delay_s
+            on_down(slot.child.url, True)
+            continue
+        on_down(slot.child.url, False)
+        logger.error("the %s worker %s; its last output:\n%s", slot.name, describe_exit(code), slot.child.tail_text())
+        if decision.crash_loop:
+            return Verdict(1, f"the {slot.name} worker keeps failing ({s.max_restarts + 1} exits within "
+                              f"{s.window_s:g} s); giving up. Its last error: {error}")
+        return Verdict(1 if code else 0, f"the {slot.name} worker {describe_exit(code)} and is not restarted "
+                                         f"(--restart {s.policy.value}): {error}")
+    return None
+
+
+def worker_counts(args: argparse.Namespace) -> dict[str, int]:
+    """How many workers of each kind serve starts: --prefill-workers and --decode-workers in PD
+    mode, --workers colocated (1 each by default); a count for the other mode is refused."""
+    pd = args.mode == "pd"
+    wrong = ("--workers" if pd and getattr(args, "workers", None) is not None else
+             "--prefill-workers" if not pd and getattr(args, "prefill_workers", None) is not None else
+             "--decode-workers" if not pd and getattr(args, "decode_workers", None) is not None else None)
+    if wrong:
+        raise StartupError(f"{wrong} does not apply to --mode {args.mode}: use "
+                           + ("--prefill-workers N --decode-workers M" if pd else "--workers N"))
+    counts = ({"prefill": getattr(args, "prefill_workers", None) or 1,
+               "decode": getattr(args, "decode_workers", None) or 1} if pd
+              else {"worker": getattr(args, "workers", None) or 1})
+    if min(counts.values()) < 1:
+        raise StartupError("worker counts must be >= 1")
+    return counts
 
 
 def worker_commands(args: argparse.Namespace, model_dir: Path) -> list[tuple[str, list[str], str]]:
-    """(name, command, URL) of each worker for --mode pd (prefill, decode) or colocated (one).
-    The workers label their metrics with the router's served model name."""
+    """(name, command, URL) of each worker for --mode pd (prefill and decode workers) or
+    colocated, as many as `worker_counts` says. A worker alone in its role is named by the role
+    ("prefill", "decode", "worker"), several are numbered ("prefill-1", "prefill-2"); `role_urls`
+    reads the role back. The workers label their metrics with the router's served model name."""
     refused = [a for a in args.worker_arg if a.split("=", 1)[0] in MULTI_NODE_FLAGS]
     if refused:
         raise StartupError(f"--worker-arg {refused[0]}: `pdserve serve` runs every worker on this machine; "
                            "start multi-node TP groups with `pdserve prefill | decode | worker --nnodes ...`")
     name_flags = ["--served-model-name", served_name(args.model, args.served_model_name)[0]]
-    roles = [("prefill", ["prefill"]), ("decode", ["decode"])] if args.mode == "pd" else \
-        [("worker", ["worker", "--role", "both"])]
+    role_args = {"prefill": ["prefill"], "decode": ["decode"], "worker": ["worker", "--role", "both"]}
     head = [sys.executable, "-m", "pdserve.cli"]
     if getattr(args, "log_level", None):
         head += ["--log-level", args.log_level]
-    out = []
-    for name, role_args in roles:
-        port = free_port()
-        cmd = [*head, *role_args, "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-               "--worker-id", f"{name}-{port}", "--exit-with-parent", *name_flags, *engine_flags(args),
-               *lifecycle_flags(args), *args.worker_arg]
-        out.append((name, cmd, f"http://127.0.0.1:{port}"))
+    out: list[tuple[str, list[str], str]] = []
+    ports: set[int] = set()
+    for role, count in worker_counts(args).items():
+        for i in range(1, count + 1):
+            name = role if count == 1 else f"{role}-{i}"
+            port = free_port()
+            while port in ports:  # the OS may hand a just-released port out again
+                port = free_port()
+            ports.add(port)
+            cmd = [*head, *role_args[role], "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+                   "--worker-id", f"{name}-{port}", "--exit-with-parent", *name_flags, *engine_flags(args),
+                   *lifecycle_flags(args), *args.worker_arg]
+            out.append((name, cmd, f"http://127.0.0.1:{port}"))
     return out
+
+
+def role_urls(named: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
+    """(name, URL) of the workers → URLs by role ("prefill", "decode", "worker"), for the router."""
+    urls: dict[str, list[str]] = {}
+    for name, url in named:
+        urls.setdefault(name.split("-", 1)[0], []).append(url)
+    return urls
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -125,10 +234,11 @@ def plan_threads(args: argparse.Namespace) -> None:
     """Divide the cores between the workers' processes unless --threads says how many (logged)."""
     from pdserve.engine.threads import serve_threads
 
-    plan = serve_threads(args.mode, args.tp or 1)
+    plan = serve_threads(args.mode, args.tp or 1, workers=sum(worker_counts(args).values()))
     if getattr(args, "threads", None) is None:
         args.threads = plan.per_process
-        logger.info("CPU threads (%s): %s", args.mode, plan.describe())
+        log = logger.warning if plan.oversubscribed else logger.info
+        log("CPU threads (%s): %s", args.mode, plan.describe())
     else:
         logger.info("CPU threads (%s): %d per process (--threads) × %d process(es) on %d core(s)",
                     args.mode, args.threads, plan.processes, plan.cores)
@@ -144,7 +254,9 @@ def lifecycle_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def start_child(name: str, cmd: list[str], url: str, json_logs: bool = False) -> Child:
+def start_child(name: str, cmd: list[str], url: str, json_logs: bool = False,
+                on_exit: Callable[[], None] | None = None) -> Child:
+    """Start a worker command; `on_exit` runs (in a thread) the moment it exits."""
     full = [sys.executable, "-c", _TRAMPOLINE, str(os.getpid()), *cmd]
     proc = subprocess.Popen(full, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
@@ -152,6 +264,8 @@ def start_child(name: str, cmd: list[str], url: str, json_logs: bool = False) ->
     if proc.stdout is None:  # cannot happen with stdout=PIPE; keeps the type checker honest
         raise RuntimeError("no pipe to the child's output")
     threading.Thread(target=_relay, args=(child, proc.stdout), name=f"relay-{name}", daemon=True).start()
+    if on_exit is not None:
+        threading.Thread(target=lambda: (proc.wait(), on_exit()), name=f"wait-{name}", daemon=True).start()
     logger.info("started %s (pid %d): %s", name, proc.pid, " ".join(cmd))
     return child
 
@@ -256,30 +370,64 @@ def _signal_group(child: Child, sig: signal.Signals) -> None:
         pass
 
 
-async def _serve_router(config: RouterConfig, host: str, port: int, children: list[Child], mode: str) -> int:
+async def _serve_router(config: RouterConfig, host: str, port: int, slots: list[Slot], mode: str,
+                        supervision: Supervision) -> Verdict | None:
     from pdserve.frontend.app import create_app
     from pdserve.frontend.server import RouterServer
 
     quiet_http_logs()
     server = RouterServer(create_app(config), host, port)
+    pool = server.router.pool
+    if supervision.policy is not RestartPolicy.NEVER:
+        # every worker here comes back when it dies (or serve ends): a request that finds its
+        # role missing waits in the admission queue, even while the dead process is still exiting
+        pool.orchestrated = {w.role for w in pool.workers}
     task = asyncio.create_task(server.serve())
+    # A worker's exit wakes the supervisor at once: the router takes it out of rotation before
+    # the next request is sent to its closed port (a probe would see it up to an interval later).
+    loop, exited = asyncio.get_running_loop(), asyncio.Event()
+
+    def wake() -> None:  # runs in a waiter thread, maybe after serve's loop has closed
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(exited.set)
+
+    for slot in slots:
+        slot.on_exit = wake
+        if slot.child.proc.poll() is None:
+            threading.Thread(target=lambda p=slot.child.proc, f=slot.on_exit: (p.wait(), f()), daemon=True).start()
     while not server.started and not task.done():
         await asyncio.sleep(0.05)
     if server.started:
         print(f"pdserve: serving {config.served_model_name} ({mode}) at http://{host}:{port}/v1", flush=True)
-    code = 0
+    verdict = None
     while not task.done():
-        dead = [c for c in children if c.proc.poll() is not None]
-        if dead:
-            for c in dead:
-                logger.error("the %s worker exited with code %s; stopping. Its last output:\n%s",
-                             c.name, c.proc.returncode, c.tail_text())
-            server.should_exit = True
-            code = 1
+        exited.clear()
+        verdict = supervise(slots, supervision, time.monotonic(), pool.expect_back)
+        if verdict is not None:
+            # the router drains as on SIGTERM: every stream ends with [DONE] or an error event
+            server.handle_exit(signal.SIGTERM, None)
             break
-        await asyncio.wait({task}, timeout=0.5)
+        due = [slot.restart_at for slot in slots if slot.restart_at is not None]
+        wait_s = SUPERVISE_TICK_S if not due else max(0.0, min(min(due) - time.monotonic(), SUPERVISE_TICK_S))
+        woke = asyncio.ensure_future(exited.wait())
+        await asyncio.wait({task, woke}, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+        woke.cancel()
     await task
-    return code
+    return verdict
+
+
+def preflight(args: argparse.Namespace, model_dir: Path) -> None:
+    """The start-up checks of pdserve.preflight on serve's flags (ConfigError); the router's
+    port is checked too (its workers get free ports)."""
+    memory = parse_size(args.kv_cache_memory) if getattr(args, "kv_cache_memory", None) else None
+    check(Settings(model=str(model_dir), tp=args.tp or 1, host=args.host, port=args.port, kv_cache_memory=memory,
+                   max_model_len=getattr(args, "max_model_len", None), block_size=args.block_size or 16,
+                   dtype=args.dtype or "auto", device=args.device or "cpu"))
+
+
+def supervision(args: argparse.Namespace) -> Supervision:
+    return Supervision(RestartPolicy(args.restart), max_restarts=args.restart_max, window_s=args.restart_window,
+                       backoff_s=args.restart_backoff)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -291,26 +439,35 @@ def serve(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_json, "router")
     previous = {s: signal.signal(s, interrupted) for s in (signal.SIGINT, signal.SIGTERM)}
-    children: list[Child] = []
+    slots: list[Slot] = []
     served = False
+    verdict: Verdict | None = None
     try:
         model_dir = resolve_model_dir(args.model)
+        preflight(args, model_dir)
         check_output_profile(model_dir, args.tool_call_parser)  # a tokenizer the output parser cannot read: before any worker
         plan_threads(args)
         token = internal_token(args)
         if token:  # the workers read it from their environment: it never shows in `ps`
             os.environ["PDSERVE_INTERNAL_TOKEN"] = token
+        if (args.tp or 1) > 1:  # idle TP ranks without gloo's 10 ms tick (pdserve.gloo_idle)
+            from pdserve.gloo_idle import preload_env
+            os.environ.update(preload_env())
         for name, cmd, url in worker_commands(args, model_dir):
-            children.append(start_child(name, cmd, url, args.log_json))
-        wait_ready(children, args.startup_timeout)
-        urls = {c.name: [c.url] for c in children}
+            slots.append(Slot(start_child(name, cmd, url, args.log_json), cmd))
+        wait_ready([slot.child for slot in slots], args.startup_timeout)
+        urls = role_urls((slot.name, slot.child.url) for slot in slots)
         config = router_config(args, model_dir, urls.get("prefill", []), urls.get("decode", []),
                                urls.get("worker", []))
         served = True
-        return asyncio.run(_serve_router(config, args.host, args.port, children, args.mode))
+        verdict = asyncio.run(_serve_router(config, args.host, args.port, slots, args.mode, supervision(args)))
+        return 0 if verdict is None else verdict.code
     except _Interrupted:
         logger.info("interrupted; shutting down")
         return 0
+    except ConfigError as e:
+        print(f"pdserve serve: error: {e}", file=sys.stderr, flush=True)
+        return 2
     except (StartupError, ProfileError) as e:
         logger.error("%s", e)
         print(f"pdserve: {e}", file=sys.stderr, flush=True)
@@ -319,9 +476,12 @@ def serve(args: argparse.Namespace) -> int:
         # Signals during the shutdown itself must not cut it short.
         for s in previous:
             signal.signal(s, signal.SIG_IGN)
+        children = [slot.child for slot in slots]
         if served:
             report_pools(children)
         stop_children(children, args.drain_timeout + STOP_GRACE_S)
+        if verdict is not None:  # last, after the logs of the shutdown: the one line that says why
+            print(f"pdserve: {verdict.line}", file=sys.stderr, flush=True)
         for s, handler in previous.items():
             signal.signal(s, handler)
 
@@ -338,6 +498,13 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     p.add_argument("--mode", choices=("pd", "colocated"), default="pd",
                    help="pd: a prefill and a decode worker with KV transfer; colocated: one worker")
     p.add_argument("--tp", type=int, default=None, help="tensor-parallel ranks per worker")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="colocated mode: start N workers (default 1); the router sends each request to "
+                        "the one most likely to hold its prompt's prefix (--routing)")
+    p.add_argument("--prefill-workers", type=int, default=None, metavar="N",
+                   help="pd mode: start N prefill workers (default 1)")
+    p.add_argument("--decode-workers", type=int, default=None, metavar="M",
+                   help="pd mode: start M decode workers (default 1)")
     e = p.add_argument_group("engine flags (passed on to the workers)")
     e.add_argument("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
     e.add_argument("--device", default=None, help="cpu or cuda[:N]")
@@ -364,6 +531,16 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "e.g. --worker-arg=--health-stall-timeout=30")
     p.add_argument("--startup-timeout", type=float, default=600.0,
                    help="seconds to wait for the workers to be ready")
+    r = p.add_argument_group("supervision (docs/supervision.md)")
+    r.add_argument("--restart", choices=[x.value for x in RestartPolicy], default=RestartPolicy.ON_FAILURE.value,
+                   help="restart a worker that exits: always, on-failure (non-zero exit or a signal; the "
+                        "default) or never (serve stops)")
+    r.add_argument("--restart-max", type=int, default=5, metavar="N",
+                   help="more than N exits of one worker within --restart-window is a crash loop: serve "
+                        "stops with the worker's last error (default 5)")
+    r.add_argument("--restart-window", type=float, default=60.0, metavar="S", help="see --restart-max (60 s)")
+    r.add_argument("--restart-backoff", type=float, default=0.5, metavar="S",
+                   help="the first restart's delay; it doubles while the worker keeps failing, up to 30 s")
     for flag in MULTI_NODE_FLAGS:
         p.add_argument(flag, action=_WorkersOnly, help=argparse.SUPPRESS)
     p.set_defaults(func=serve)

@@ -29,6 +29,7 @@ ROOM_STATES = ("done", "failed", "aborted")
 # drain: shutdown aborted what did not finish within the drain timeout.
 # why the router's admission refused a request (pdserve.frontend.admission.Rejection)
 ADMISSION_REJECTIONS = ("queue_full", "queue_timeout", "too_large", "no_worker")
+ROUTING_REASONS = ("prefix", "balance", "load")  # pdserve.frontend.routing.Reason
 ABORT_ORIGINS = ("client", "router", "peer", "timeout", "drain")
 OTHER = "other"
 
@@ -270,6 +271,10 @@ class RouterMetrics(_Base):
         self.admission_rejections = self._counter(
             "admission_rejections", "Requests the admission refused (429, or 503 without workers), by reason.",
             "reason", ADMISSION_REJECTIONS)
+        self.routing_decisions = self._counter(
+            "routing_decisions", "Workers chosen for requests, by reason: the likely holder of the "
+            "prompt's prefix, the least loaded instead of a too busy holder, or no holder.",
+            "reason", ROUTING_REASONS)
 
     def start_request(self, prompt_tokens: int, arrival: float | None = None) -> RequestTimer:
         """Call when a request is accepted (`arrival`: when it arrived, on `clock`; default now);
@@ -294,6 +299,8 @@ class RouterMetrics(_Base):
         admission.stats.on_wait = self.admission_queue_time.observe
         admission.stats.on_reject = lambda why: self._inc(self.admission_rejections, "reason", why,
                                                           ADMISSION_REJECTIONS)
+        admission.routing.on_decision = lambda why: self._inc(self.routing_decisions, "reason", why,
+                                                              ROUTING_REASONS)
 
     def parser_diagnostic(self, kind: str) -> None:
         """`kind` is a parser `Diag` value (a fixed enum, so the label set stays bounded)."""

@@ -121,6 +121,7 @@ class Tokenizer:
         self.rules = decoder_rules(json.loads(path.read_text(encoding="utf-8")).get("decoder"))
         self._added = self._tok.get_added_tokens_decoder()
         self.special_ids = frozenset(i for i, tok in self._added.items() if tok.special)
+        self.added_token_ids = frozenset(self._added)  # special or not (llguidance_backend.py)
         self.vocab_size = max(
             self._tok.get_vocab_size(with_added_tokens=True), max(self._added, default=-1) + 1
         )

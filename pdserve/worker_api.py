@@ -84,6 +84,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # stop strings, matched on detokenized text
     logprobs: int | None = None  # None: no logprobs; N: the sampled token's plus the top N
+    prompt_logprobs: int | None = None  # None: none; N: each prompt token's (after the first) + top N
     structured: GrammarSpec | None = None  # None: unconstrained; else only its grammar's tokens
 
     def validate(self) -> None:
@@ -104,6 +105,8 @@ class SamplingParams:
             raise ValueError("min_tokens must be in [0, max_tokens]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError("logprobs must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError("prompt_logprobs must be in [0, 20]")
 
     @property
     def greedy(self) -> bool:
@@ -237,6 +240,9 @@ class TokenLine(_Message):
 
     token_ids: list[int] = Field(default_factory=list)
     logprobs: list[TokenLogprob] | None = None
+    # with the first token, when ``params.prompt_logprobs`` is set: one per prompt token, the
+    # first null (nothing precedes it); computed by the worker that ran the prefill
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
     cached_tokens: int | None = None  # with the finish: prompt tokens reused from the prefix cache

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "attention.h"
+#include "norm.h"
 #include "qgemm.h"
 
 namespace pds_cpu {
@@ -44,7 +46,7 @@ using namespace pds_cpu;
 
 extern "C" {
 
-__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 3; }
+__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 5; }
 
 // The instruction set `isa` (0 auto) resolves to on this CPU: 1 AVX2, 2 AVX-512 VNNI, 0 none.
 __attribute__((visibility("default"))) int pds_cpu_isa(int isa) {
@@ -123,6 +125,45 @@ __attribute__((visibility("default"))) int pds_cpu_dequantize(int fmt, const uin
     const int64_t n0 = c * kRowsPerChunk, n1 = std::min(N, n0 + kRowsPerChunk);
     k->dequantize(fmt, w, K, n0, n1, out + n0 * K);
   }
+  return 0;
+}
+
+// Decode attention over the paged cache (attention.h): q [B][heads][head_dim] (token stride
+// q_stride floats), caches [blocks][block_size][kv_heads][head_dim] fp32, tables [B][table_stride]
+// int64, lens [B] int64 (each >= 1), out [B][heads][head_dim]. One unit of work per (sequence,
+// KV head). Returns 0, 1 when AVX2 is unavailable, 2 for bad arguments.
+__attribute__((visibility("default"))) int pds_cpu_paged_decode_attention(
+    const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+    const int64_t* tables, int64_t table_stride, const int64_t* lens, int64_t B, int64_t heads,
+    int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
+  if (pick(ISA_AVX2) == nullptr) return 1;
+  if (B < 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 || block_size <= 0) return 2;
+  for (int64_t b = 0; b < B; ++b)
+    if (lens[b] <= 0) return 2;
+  const DecodeAttention a{q, q_stride, k_cache, v_cache, tables, table_stride, lens, out,
+                          heads, kv_heads, head_dim, block_size, scale};
+  const int64_t units = B * kv_heads;
+  const int team = std::max(1, std::min<int>(threads, static_cast<int>(std::max<int64_t>(units, 1))));
+#pragma omp parallel num_threads(team)
+  {
+    std::vector<float> scratch(decode_attention_scratch(a));
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; ++u) decode_attention_avx2(a, u / kv_heads, u % kv_heads, scratch.data());
+  }
+  return 0;
+}
+
+// rows x dim fp32, row-major: x += residual (residual may be null), out = rms_norm(x) * w.
+// Returns 0, 1 when AVX2 is unavailable, 2 for bad arguments.
+__attribute__((visibility("default"))) int pds_cpu_add_rms_norm(float* x, const float* residual,
+                                                                const float* w, float* out, int64_t rows,
+                                                                int64_t dim, float eps, int threads) {
+  if (pick(ISA_AVX2) == nullptr) return 1;
+  if (rows < 0 || dim <= 0) return 2;
+  const int team = std::max(1, std::min<int>(threads, static_cast<int>(std::max<int64_t>(rows / 4, 1))));
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+  for (int64_t r = 0; r < rows; ++r)
+    add_rms_norm_row_avx2(x + r * dim, residual ? residual + r * dim : nullptr, w, out + r * dim, dim, eps);
   return 0;
 }
 

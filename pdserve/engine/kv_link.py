@@ -18,10 +18,12 @@ from pdserve.transfer import (Fenced, RoomAborted, RoomDone, RoomFailed, RoomWri
 logger = logging.getLogger(__name__)
 
 
-def encode_first_token(tok: SampledToken) -> bytes:
+def encode_first_token(tok: SampledToken, prompt_logprobs: list[TokenLogprobs | None] | None = None) -> bytes:
     lp = tok.logprobs
-    return json.dumps({"t": tok.token_id, "lp": None if lp is None else [lp.logprob, lp.top],
-                       "c": tok.cached_tokens}).encode()
+    body = {"t": tok.token_id, "lp": None if lp is None else [lp.logprob, lp.top], "c": tok.cached_tokens}
+    if prompt_logprobs:  # rank 0's, with the first token (echo / prompt_logprobs)
+        body["plp"] = [None if e is None else [e.token_id, e.logprob, e.top] for e in prompt_logprobs]
+    return json.dumps(body).encode()
 
 
 def decode_first_token(room: str, payload: bytes) -> SampledToken:
@@ -32,6 +34,15 @@ def decode_first_token(room: str, payload: bytes) -> SampledToken:
                         int(d.get("c") or 0))
 
 
+def decode_prompt_logprobs(payload: bytes) -> list[TokenLogprobs | None] | None:
+    """The prompt logprobs that came with a first token, if any (see `encode_first_token`)."""
+    entries = json.loads(payload).get("plp")
+    if entries is None:
+        return None
+    return [None if e is None else TokenLogprobs(int(e[0]), float(e[1]), [(int(a), float(b)) for a, b in e[2]])
+            for e in entries]
+
+
 class KVLink:
     """One rank's transfer agent as the scheduler sees it (decode: a target; prefill: a source)."""
 
@@ -40,6 +51,9 @@ class KVLink:
         self.is_target = isinstance(agent, TransferTarget)
         self._local: list[TransferOutcome] = []  # outcomes decided here (a refused write, ...)
         self._peers: dict[str, KVPeer] = {}  # prefill: where each admitted request's KV goes
+        # decode: prompt logprobs that came with a first token, kept off the plan (its size is
+        # fixed) until the token's output is made on this rank (`act`)
+        self._prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
 
     def observe(self) -> list[TransferOutcome]:
         """This rank's transfer results since the last call."""
@@ -48,6 +62,9 @@ class KVLink:
             if isinstance(ev, RoomDone):
                 try:
                     token = decode_first_token(ev.room, ev.payload)
+                    prompt = decode_prompt_logprobs(ev.payload)
+                    if prompt is not None:
+                        self._prompt_logprobs[ev.room] = prompt
                     out.append(TransferOutcome(ev.room, TransferKind.ARRIVED, token))
                 except (ValueError, KeyError, TypeError) as e:
                     self.agent.abort(ev.room)
@@ -71,6 +88,11 @@ class KVLink:
             if t.kind is TransferKind.FAILED:  # failed on some rank: stop it on all, so all can fence
                 self.agent.abort(t.request_id)
         if self.is_target:
+            for out in outputs:
+                if out.token_id is not None and out.request_id in self._prompt_logprobs:
+                    out.prompt_logprobs = self._prompt_logprobs.pop(out.request_id)
+            for rid in [t.request_id for t in plan.transfers] + [rid for rid, _ in plan.aborted]:
+                self._prompt_logprobs.pop(rid, None)  # its first token is out, or never will be
             for req in plan.admitted:
                 if req.kv is KVRole.DECODE:
                     source = agent_name("prefill", req.peer.worker_id, self.rank)
@@ -91,7 +113,7 @@ class KVLink:
             name = self.agent.connect(peer.bootstrap[self.rank].encode())
             ok = self.agent.write(rid, name, blocks, list(peer.blocks),
                                   encode_first_token(SampledToken(rid, out.token_id, out.logprobs,
-                                                                 out.cached_tokens or 0)))
+                                                                 out.cached_tokens or 0), out.prompt_logprobs))
         except Exception as e:  # a transport or layout error fails this room, never the loop
             logger.warning("room %s: cannot write KV to the decode worker: %s", rid, e, extra=about(rid))
             return self._fail(rid, str(e))

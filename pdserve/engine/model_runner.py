@@ -8,6 +8,7 @@ from pdserve.layers.attention import AttentionMetadata
 from pdserve.scheduler.plan import SampledToken
 from pdserve.structured import Grammars
 
+from .prompt_logprobs import compute_prompt_logprobs, prompt_rows
 from .sampler import prepare_masks, sample
 from .sequence import Sequence
 
@@ -52,7 +53,7 @@ class ModelRunner:
         """Forward the batch; sample for every sequence whose chunk reached its last token.
 
         Every TP rank computes the logits (the LM head's all_gather is a collective); only the
-        rank that plans (`sample_tokens`) samples."""
+        rank that plans (`sample_tokens`) samples and keeps prompt logprobs (prompt_logprobs.py)."""
         if not batch:
             return []
         ids, positions, meta = self.metadata(batch)
@@ -60,6 +61,9 @@ class ModelRunner:
         # constrained requests: their grammar masks are computed in a thread while the forward runs
         masks = prepare_masks([batch[i][0] for i in ends], self.grammars) if sample_tokens else None
         hidden = self.model(ids, positions, meta)
+        wanted = prompt_rows(batch, meta.query_start_loc)
+        if wanted:  # echo/prompt_logprobs: logits at every prompt position of these chunks
+            compute_prompt_logprobs(self.model, hidden, wanted, keep=sample_tokens)
         if not ends:
             return []
         if len(ends) == hidden.shape[0]:  # decode: every row is a sequence's last token

@@ -84,6 +84,9 @@ class Sequence:
     arrival: float = 0.0
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # rank 0, when params.prompt_logprobs is set: one per prompt token computed so far (the
+    # first None: nothing precedes it); filled chunk by chunk by the model runner
+    prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
@@ -108,6 +111,12 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's logprobs are still to be computed: asked for, and no token sampled yet
+        (a recompute after preemption computes them again only before the first token)."""
+        return self.params.prompt_logprobs is not None and not self.output_ids
 
     @property
     def num_pending(self) -> int:

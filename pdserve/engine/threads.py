@@ -32,10 +32,16 @@ class ThreadPlan:
     processes: int
     per_process: int
 
+    @property
+    def oversubscribed(self) -> bool:
+        """More processes than cores: even one thread each exceeds the cores."""
+        return self.per_process * self.processes > self.cores
+
     def describe(self) -> str:
         used = self.per_process * self.processes
+        more = " (more processes than cores: they will slow each other down)" if self.oversubscribed else ""
         return (f"{self.per_process} thread(s) per process × {self.processes} process(es) "
-                f"= {used} of {self.cores} core(s)")
+                f"= {used} of {self.cores} core(s){more}")
 
 
 def split_threads(cores: int, processes: int) -> ThreadPlan:
@@ -46,12 +52,14 @@ def split_threads(cores: int, processes: int) -> ThreadPlan:
     return ThreadPlan(cores, processes, max(1, cores // processes))
 
 
-def serve_threads(mode: str, tp: int, cores: int | None = None) -> ThreadPlan:
+def serve_threads(mode: str, tp: int, cores: int | None = None, workers: int | None = None) -> ThreadPlan:
     """`pdserve serve`: the processes of its workers share this machine's cores. PD runs a
-    prefill and a decode worker (on 2 cores: one thread each; both run during a request's
-    handover, and decode streams while prefill serves the next prompt); colocated runs one.
-    Each worker runs `tp` rank processes."""
-    workers = 2 if mode == "pd" else 1
+    prefill and a decode worker by default (on 2 cores: one thread each; both run during a
+    request's handover, and decode streams while prefill serves the next prompt); colocated runs
+    one. `workers`: how many it starts when told (--prefill-workers, --decode-workers,
+    --workers); the cores are split evenly between all of them. Each worker runs `tp` rank
+    processes."""
+    workers = workers or (2 if mode == "pd" else 1)
     return split_threads(cores or cpu_cores(), workers * max(1, tp))
 
 

@@ -15,8 +15,9 @@ again whenever a request leaves a worker, a probe reports, or the pool's watch t
 429 with ``Retry-After``. When no worker of a needed role is alive at all (all refused, failed,
 or silent past the bound), waiting cannot help: 503, as before.
 
-Workers are picked at admission and reserved (``WorkerEndpoint.reserved``) until the request's
-choices are registered on them, so two requests admitted back to back cannot take one slot.
+Workers are picked at admission (routing.py: by cached prefix and load, the prompt's token ids
+being the routing key) and reserved (``WorkerEndpoint.reserved``) until the request's choices
+are registered on them, so two requests admitted back to back cannot take one slot.
 """
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ import enum
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 from pdserve.frontend.errors import APIError, overloaded, unavailable
+from pdserve.frontend.routing import CacheAwareRouter, Policy, PromptKey
 from pdserve.frontend.workers import Route, WorkerEndpoint, WorkerPool
 from pdserve.worker_api import Role
 
@@ -55,8 +57,10 @@ class AdmissionConfig:
     worker_capacity: int | None = None   # choices queued + running per worker (None: from /info)
     max_running: int | None = None       # choices running router-wide (None: the workers' sum)
     retry_after_s: int = 2               # what a 429 tells the client
+    routing: str = Policy.CACHE_AWARE.value  # --routing: cache-aware | least-loaded (routing.py)
 
     def __post_init__(self) -> None:
+        Policy(self.routing)  # a ValueError names the unknown policy
         if self.max_queue < 0 or self.queue_timeout_s < 0:
             raise ValueError("--max-queue and --queue-timeout must be >= 0")
         for name in ("worker_capacity", "max_running"):
@@ -100,6 +104,7 @@ class Ticket:
 class _Waiter:
     n: int
     since: float
+    key: PromptKey | None
     future: asyncio.Future[list[Route]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -112,6 +117,7 @@ class Admission:
         self.config = config or AdmissionConfig()
         self.clock = clock
         self.stats = AdmissionStats()
+        self.routing = CacheAwareRouter(Policy(self.config.routing))
         self._queue: deque[_Waiter] = deque()
         pool.on_change = self.wake
 
@@ -135,34 +141,41 @@ class Admission:
         """Choices admitted and not ended, router-wide (counted on the decode-side workers)."""
         return sum(len(w.inflight) + w.reserved for w in self.pool.workers if w.role is not Role.PREFILL)
 
-    def _take(self, n: int) -> list[Route] | None:
-        """Reserve routes for `n` choices, or None (nothing reserved) when they do not all fit."""
+    def _take(self, n: int, key: PromptKey | None = None) -> list[Route] | None:
+        """Reserve routes for `n` choices of the prompt `key`, or None (nothing reserved) when
+        they do not all fit."""
         if self.config.max_running is not None and self.running() + n > self.config.max_running:
             return None
+        self.routing.retain(self.pool.workers)
+        placement = self.routing.placement(key)
         routes: list[Route] = []
         try:
             for _ in range(n):
-                route = self.pool.pick(self.has_room)
+                route = self.pool.pick(self.has_room, placement.choose)
                 _reserve(route, +1)
                 routes.append(route)
         except APIError:
             for route in routes:
                 _reserve(route, -1)
+            placement.discard()
             return None
+        placement.commit(routes)
         return routes
 
     def _alive(self) -> bool:
-        """A worker of every needed role is in rotation (maybe slow or full): waiting can help."""
-        return self.pool.ready
+        """A worker of every needed role is in rotation (maybe slow or full), or being restarted
+        by its supervisor: waiting can help."""
+        return self.pool.ready or self.pool.recovering
 
     # ---- the queue -----------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def admit(self, n: int = 1) -> AsyncIterator[Ticket]:
-        """Wait (bounded) for room for `n` choices; inside the block, pick their routes from the
-        ticket and register the choices on their workers; the reservations end with the block.
-        Raises the 429 (or 503) APIError when refused."""
-        routes = await self._wait(n)
+    async def admit(self, n: int = 1, prompt_ids: Sequence[int] | None = None) -> AsyncIterator[Ticket]:
+        """Wait (bounded) for room for `n` choices of the prompt `prompt_ids` (the routing key);
+        inside the block, pick their routes from the ticket and register the choices on their
+        workers; the reservations end with the block. Raises the 429 (or 503) APIError when
+        refused."""
+        routes = await self._wait(n, PromptKey(prompt_ids) if prompt_ids else None)
         try:
             yield Ticket(routes)
         finally:
@@ -170,14 +183,14 @@ class Admission:
                 _reserve(route, -1)
             self.wake()
 
-    async def _wait(self, n: int) -> list[Route]:
+    async def _wait(self, n: int, key: PromptKey | None) -> list[Route]:
         cap = self.config.max_running
         if cap is not None and n > cap:
             self.stats.reject(Rejection.TOO_LARGE)
             raise overloaded(f"The request needs {n} sequences; this server runs at most {cap} at once.",
                              self.config.retry_after_s)
         if not self._queue:
-            routes = self._take(n)
+            routes = self._take(n, key)
             if routes is not None:
                 self.stats.waited(0.0)
                 return routes
@@ -188,7 +201,7 @@ class Admission:
             self.stats.reject(Rejection.QUEUE_FULL)
             raise overloaded(f"The server is overloaded: {len(self._queue)} requests are already "
                              "waiting. Retry later.", self.config.retry_after_s)
-        waiter = _Waiter(n, self.clock())
+        waiter = _Waiter(n, self.clock(), key)
         self._queue.append(waiter)
         try:
             await asyncio.wait({waiter.future}, timeout=self.config.queue_timeout_s)
@@ -199,7 +212,7 @@ class Admission:
             self.stats.waited(self.clock() - waiter.since)
             return waiter.future.result()
         self._leave(waiter)
-        if not self._alive():
+        if not self.pool.ready:  # still none in rotation (a restart outlasted the queue's bound)
             self.stats.reject(Rejection.NO_WORKER)
             raise unavailable("No worker is available to serve the request; try again later.")
         self.stats.reject(Rejection.QUEUE_TIMEOUT)
@@ -228,7 +241,7 @@ class Admission:
             if head.future.done():
                 self._queue.popleft()
                 continue
-            routes = self._take(head.n)
+            routes = self._take(head.n, head.key)
             if routes is None:
                 return
             self._queue.popleft()

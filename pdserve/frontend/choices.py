@@ -46,6 +46,7 @@ class Batch:
     delta: OutputDelta = field(default_factory=OutputDelta)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # with the choice's first batch, if asked
 
     def add(self, token_id: int | None, delta: OutputDelta, logprob: TokenLogprob | None) -> None:
         self.delta.extend(delta)  # in place: a non-streaming choice is one batch of every token
@@ -55,7 +56,7 @@ class Batch:
             self.logprobs.append(logprob)
 
     def __bool__(self) -> bool:
-        return bool(self.delta) or bool(self.token_ids)
+        return bool(self.delta) or bool(self.token_ids) or self.prompt_logprobs is not None
 
 
 class DeltaBatcher:
@@ -80,6 +81,10 @@ class DeltaBatcher:
             return self.take()
         return None
 
+    def add_prompt(self, prompt_logprobs: list[TokenLogprob | None]) -> None:
+        """The prompt's logprobs (they come with the first token): sent with the next batch."""
+        self._batch.prompt_logprobs = prompt_logprobs
+
     def add_text(self, delta: OutputDelta) -> None:
         """Text without a token (the decoder's final flush)."""
         self._batch.add(None, delta, None)
@@ -95,6 +100,7 @@ class ChoiceSpec:
     request_id: str       # the id the workers know this choice (its room) by
     prompt_ids: list[int]
     params: SamplingParams
+    hide_output: bool = False  # max_tokens 0 (scoring): the one token the worker samples is not shown
 
 
 @dataclass
@@ -261,7 +267,9 @@ class ChoiceRun:
     def _on_tokens(self, line: TokenLine) -> bool:
         """Feed one token line; True once the choice is over."""
         logprobs = line.logprobs or []
-        for k, token_id in enumerate(line.token_ids):
+        if line.prompt_logprobs is not None:
+            self.batcher.add_prompt(line.prompt_logprobs)
+        for k, token_id in enumerate([] if self.spec.hide_output else line.token_ids):
             logprob = logprobs[k] if k < len(logprobs) else None
             self.num_tokens += 1
             batch = self.batcher.add(token_id, self.decoder.push(token_id), logprob)
@@ -275,7 +283,7 @@ class ChoiceRun:
         if reason is not None and reason.normal:
             self.cached_tokens = line.cached_tokens or 0
             self._worker_finished = True
-            self._finish(reason.value)
+            self._finish("length" if self.spec.hide_output else reason.value)
             return True
         if reason is not None:
             why = line.error or f"the worker ended the request ({reason.value})"

@@ -84,6 +84,10 @@ def add_admission_flags(p: argparse.ArgumentParser) -> None:
                    help="requests (choices) queued + running per worker (default: 2 × its max_num_seqs)")
     a.add_argument("--max-running", type=_positive, default=None, metavar="N",
                    help="requests (choices) running router-wide (default: no bound beyond the workers')")
+    a.add_argument("--routing", choices=("cache-aware", "least-loaded"), default="cache-aware",
+                   help="which worker gets a request: cache-aware (default: the one most likely to hold "
+                        "its prompt's prefix in its KV cache, unless it is much busier than another), or "
+                        "least-loaded (docs/prefix-cache.md)")
     a.add_argument("--slow-after", type=float, default=3.0, metavar="S",
                    help="a worker silent this long gets no new requests; those on it go on")
     a.add_argument("--dead-after", type=float, default=30.0, metavar="S",
@@ -140,6 +144,7 @@ def router_config(args: argparse.Namespace, model_dir: Path, prefill: list[str],
                         tool_call_parser=getattr(args, "tool_call_parser", None),
                         max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                         worker_capacity=args.worker_capacity, max_running=args.max_running,
+                        routing=getattr(args, "routing", "cache-aware"),
                         slow_after_s=args.slow_after, dead_after_s=args.dead_after,
                         internal_token=internal_token(args))
 

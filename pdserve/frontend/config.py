@@ -33,6 +33,7 @@ class RouterConfig:
     queue_timeout_s: float = 30.0         # how long one waits for room before its 429
     worker_capacity: int | None = None    # choices per worker (None: 2 × its max_num_seqs)
     max_running: int | None = None        # choices running router-wide (None: the workers' sum)
+    routing: str = "cache-aware"          # cache-aware | least-loaded (routing.py)
     internal_token: str | None = None     # sent to the workers' internal API (PDSERVE_INTERNAL_TOKEN)
     wedged_grace_s: float = 30.0          # a worker reporting "wedged" this long: in-flight failed
     abort_timeout_s: float = 2.0

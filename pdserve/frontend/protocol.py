@@ -136,7 +136,7 @@ class GenerationFields(BaseModel):
 class CompletionRequest(GenerationFields):
     # null (OpenAI's default, "<|endoftext|>"): generate as from the start of a new document
     prompt: str | list[str] | list[int] | list[list[int]] | None
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=0)  # 0: no output, the prompt scored (with echo and logprobs)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     best_of: int | None = None

@@ -78,6 +78,8 @@ class ChoiceState:
     finish_reason: str | None = None
     num_tokens: int = 0
     offset: int = 0  # characters of text so far (completion logprobs' text_offset)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs: the worker's
+    echoed: bool = False  # the echo went out (streaming with logprobs: with the first event)
     cached_tokens: int = 0  # prompt tokens the worker took from its prefix cache
 
     @property
@@ -141,6 +143,8 @@ class Renderer:
             state.pieces.append(text)
         if ev.batch is not None:
             state.logprobs.extend(ev.batch.logprobs)
+            if ev.batch.prompt_logprobs is not None:
+                state.prompt_logprobs = ev.batch.prompt_logprobs
         if ev.finish_reason is not None:
             state.finish_reason = ev.finish_reason
         if ev.cached_tokens is not None:
@@ -270,15 +274,22 @@ class CompletionRenderer(Renderer):
     chunk_object_name = "text_completion"
 
     def __init__(self, *args: Any, echo: list[str] | None = None, logprobs: int | None = None,
-                 **kwargs: Any) -> None:
+                 echo_ids: list[list[int]] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.echo = echo          # per choice: the prompt text to print before the output
+        self.echo_ids = echo_ids  # per choice: the prompt's token ids (echo with logprobs)
         self.logprobs = logprobs  # None: no logprobs; N: the top N alternatives
         for state, prefix in zip(self.choices, echo or []):
             state.offset = len(prefix)
 
+    @property
+    def _echo_logprobs(self) -> bool:
+        return bool(self.echo) and self.logprobs is not None
+
     def opening(self) -> list[dict[str, Any]]:
-        if not self.echo:
+        """The echoed prompts first; with logprobs each goes with its choice's first event,
+        which brings the prompt's logprobs."""
+        if not self.echo or self._echo_logprobs:
             return []
         return [self.chunk([{"index": i, "text": text, "logprobs": None, "finish_reason": None}])
                 for i, text in enumerate(self.echo)]
@@ -288,20 +299,28 @@ class CompletionRenderer(Renderer):
         state = self.choices[ev.index]
         start = state.offset
         self._update(ev, text)
+        out = []
+        if self._echo_logprobs and not state.echoed:
+            state.echoed = True
+            out.append(self.chunk([{"index": ev.index, "text": self.echo[ev.index],
+                                    "logprobs": self._prompt_logprobs(ev.index), "finish_reason": None}]))
         lps = ev.batch.logprobs if ev.batch is not None else []
         formatted = self._logprobs(lps, start)
         state.offset = start + sum(len(token_text(self.tokenizer, lp.token_id)) for lp in lps)
         if not text and not lps and ev.finish_reason is None:
-            return []
-        return [self.chunk([{"index": ev.index, "text": text, "logprobs": formatted,
-                             "finish_reason": ev.finish_reason}])]
+            return out
+        return out + [self.chunk([{"index": ev.index, "text": text, "logprobs": formatted,
+                                   "finish_reason": ev.finish_reason}])]
 
     def response(self) -> dict[str, Any]:
         choices = []
         for i, c in enumerate(self.choices):
             prefix = self.echo[i] if self.echo else ""
-            choices.append({"index": i, "text": prefix + c.text,
-                            "logprobs": self._logprobs(c.logprobs, len(prefix)),
+            logprobs = self._logprobs(c.logprobs, len(prefix))
+            if self._echo_logprobs:  # the prompt's entries, then the output's
+                prompt = self._prompt_logprobs(i)
+                logprobs = {k: prompt[k] + logprobs[k] for k in prompt}
+            choices.append({"index": i, "text": prefix + c.text, "logprobs": logprobs,
                             "finish_reason": c.finish_reason})
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
@@ -318,6 +337,22 @@ class CompletionRenderer(Renderer):
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
                 "top_logprobs": [{token_text(tok, t): v for t, v in lp.top[: self.logprobs]} for lp in lps],
+                "text_offset": offsets}
+
+    def _prompt_logprobs(self, index: int) -> dict[str, Any]:
+        """The echoed prompt's entries: its tokens, their logprobs (the first null: nothing
+        precedes it) and top alternatives, offsets from the start of the prompt text."""
+        tok = self.tokenizer
+        ids = self.echo_ids[index] if self.echo_ids else []
+        entries = self.choices[index].prompt_logprobs or [None] * len(ids)
+        tokens = [token_text(tok, t) for t in ids]
+        offsets, at = [], 0
+        for text in tokens:
+            offsets.append(at)
+            at += len(text)
+        return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
+                "top_logprobs": [None if e is None else {token_text(tok, t): v for t, v in e.top[: self.logprobs]}
+                                 for e in entries],
                 "text_offset": offsets}
 
 

@@ -36,11 +36,10 @@ from pdserve.frontend.output import ChatOutput, OutputDecoder, completion_decode
 from pdserve.frontend.prompts import PromptBuilder
 from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
 from pdserve.frontend.render import DONE, ChatRenderer, CompletionRenderer, SSEResponse, error_event, event
-from pdserve.frontend.tools import (ToolPolicy, after_reasoning, check_constraint, output_constraint,
+from pdserve.frontend.tools import (ToolPolicy, check_constraint, for_prompt, json_calls, output_constraint,
                                     router_grammars)
 from pdserve.frontend.workers import WorkerPool
 from pdserve.metrics import RouterMetrics
-from pdserve.parsers import Format
 from pdserve.structured import GrammarSpec
 from pdserve.tokenizer import Tokenizer
 from pdserve.worker_api import SamplingParams
@@ -134,15 +133,14 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: C
     max_tokens = resolve_max_tokens(req.output_limit, len(prompt.ids), max_len, "messages")
     s.check_fits(len(prompt.ids), "messages")
     params = sampling_params(req, max_tokens, req.top_n, s.tokenizer.vocab_size)
-    if constraint is not None:  # JSON calls are read as raw text: their grammar starts at once
-        spec, field_ = constraint
-        params.structured = spec if field_ == "tools" else after_reasoning(spec, s.output.profile, prompt.ids)
+    if constraint is not None:  # where the grammar starts: tools.for_prompt
+        params.structured = for_prompt(constraint, policy, s.output.profile, prompt.ids)
     rooms = room_ids(call.room_base, req.n)
     specs = [ChoiceSpec(i, rooms[i], prompt.ids, p) for i, p in enumerate(expand_choices(params, req.n))]
     stop, stop_ids = req.stop_list(), req.stop_token_ids or []
     renderer = ChatRenderer(f"chatcmpl-{call.request_id}", model, len(specs), len(prompt.ids),
                             s.tokenizer, include_usage=req.include_usage, top_logprobs=req.top_n)
-    if constraint is not None and constraint[1] == "tools":  # JSON calls (structured outputs)
+    if constraint is not None and json_calls(constraint[1], s.output.profile):  # JSON calls (json_calls.py)
         return await respond(s, call, specs, lambda _: JsonCallDecoder(s.tokenizer), renderer, req.stream)
     return await respond(s, call, specs,
                          lambda spec: s.output.decoder(spec.prompt_ids, stop, policy, stop_ids),
@@ -151,7 +149,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: C
 
 async def _constraint(s: Serving, req: GenerationFields, policy: ToolPolicy | None) -> tuple[GrammarSpec, str] | None:
     """The request's output constraint, compiled (cached) off the loop; 400 when it cannot be."""
-    constraint = output_constraint(req, policy, call_syntax=s.output.profile.format is not Format.PLAIN)
+    constraint = output_constraint(req, policy, s.output.profile)
     if constraint is not None:
         await check_constraint(router_grammars(s.tokenizer, s.metrics), *constraint)
     return constraint
@@ -159,9 +157,10 @@ async def _constraint(s: Serving, req: GenerationFields, policy: ToolPolicy | No
 
 async def create_completion(s: Serving, req: CompletionRequest, call: Call) -> Response:
     model = s.check_model(req.model)
-    if req.echo and req.logprobs is not None:
-        raise invalid("echo together with logprobs is not supported (prompt logprobs are not computed)",
-                      "echo")
+    # max_tokens 0 scores the prompt (lm-eval's loglikelihood call): the worker samples one
+    # token that is not shown; echo with logprobs asks the prefill for the prompt's logprobs
+    score = req.max_tokens == 0
+    prompt_top = req.logprobs if req.echo else None
     constraint = await _constraint(s, req, None)
     max_len = s.max_model_len
     prompts = await s.prompts.completion(req, max_len)
@@ -171,16 +170,18 @@ async def create_completion(s: Serving, req: CompletionRequest, call: Call) -> R
     for p, prompt in enumerate(prompts):
         max_tokens = resolve_max_tokens(req.max_tokens, len(prompt.ids), max_len, "prompt")
         s.check_fits(len(prompt.ids), "prompt")
-        params = sampling_params(req, max_tokens, req.logprobs, s.tokenizer.vocab_size)
+        params = sampling_params(req, max(max_tokens, 1), None if score else req.logprobs, s.tokenizer.vocab_size)
         params.structured = constraint[0] if constraint else None
+        params.prompt_logprobs = prompt_top
         for k, choice_params in enumerate(expand_choices(params, req.n)):
             index = p * req.n + k
-            specs.append(ChoiceSpec(index, rooms[index], prompt.ids, choice_params))
+            specs.append(ChoiceSpec(index, rooms[index], prompt.ids, choice_params, hide_output=score))
             echo.append(prompt.text)
     stop = req.stop_list()
     renderer = CompletionRenderer(
         f"cmpl-{call.request_id}", model, len(specs), sum(len(p.ids) for p in prompts), s.tokenizer,
-        include_usage=req.include_usage, echo=echo if req.echo else None, logprobs=req.logprobs)
+        include_usage=req.include_usage, echo=echo if req.echo else None, logprobs=req.logprobs,
+        echo_ids=[spec.prompt_ids for spec in specs] if req.echo else None)
     return await respond(s, call, specs, lambda _: completion_decoder(s.tokenizer, stop), renderer, req.stream)
 
 
@@ -262,7 +263,8 @@ async def respond(s: Serving, call: Call, specs: list[ChoiceSpec],
     if s.admission is None:
         gen = Generation(specs, make_decoder, s.pool, s.services, batch)  # 503 before start
     else:
-        async with s.admission.admit(len(specs)) as ticket:  # waits for room; 429 when there is none
+        # waits for room; 429 when there is none. The prompt is the routing key (routing.py).
+        async with s.admission.admit(len(specs), specs[0].prompt_ids if specs else None) as ticket:
             gen = Generation(specs, make_decoder, ticket, s.services, batch)
     logger.info("[%s] %s: %d choice(s), %d prompt tokens, stream=%s, workers %s", call.request_id,
                 call.endpoint, len(specs), renderer.prompt_tokens, stream,

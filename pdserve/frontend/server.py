@@ -30,6 +30,7 @@ from pdserve.frontend.output import ChatOutput
 from pdserve.frontend.prompts import PromptBuilder
 from pdserve.frontend.requests import Calls, Serving
 from pdserve.frontend.worker_client import WorkerClient
+from pdserve.quiet_server import QuietServer
 from pdserve.frontend.workers import WorkerPool
 from pdserve.metrics import RouterMetrics
 from pdserve.tokenizer import Tokenizer
@@ -38,6 +39,7 @@ from pdserve.worker_api import Role
 logger = logging.getLogger(__name__)
 _FALLBACK_CONTEXT = 2048
 HEARTBEAT_S = 0.25
+IDLE_HEARTBEAT_S = 1.0
 STOPPED_GRACE_S = 5.0  # after the drain timeout: how long the stopped calls get to send their error
 
 
@@ -58,10 +60,11 @@ class Router:
                                wedged_grace_s=config.wedged_grace_s)
         self.admission = Admission(self.pool, AdmissionConfig(
             max_queue=config.max_queue, queue_timeout_s=config.queue_timeout_s,
-            worker_capacity=config.worker_capacity, max_running=config.max_running))
+            worker_capacity=config.worker_capacity, max_running=config.max_running, routing=config.routing))
         self.metrics.watch_admission(self.admission)
         targets = _targets(config)
         self.discovery = Discovery(self.pool, targets, config.discover_interval_s) if targets else None
+        self.pool.orchestrated = {t.role for t in targets}  # their pods come back when they die
         self.calls = Calls()
         services = Services(self.client, self.spawn, config.abort_timeout_s, self.metrics.aborted)
         self.serving = Serving(config, tokenizer, PromptBuilder(tokenizer, config.inline_tokenize_chars), output,
@@ -126,14 +129,17 @@ class Router:
         return self.pool.ready and not self.draining
 
     async def _heartbeat(self) -> None:
+        beat = HEARTBEAT_S
         while True:
             now = time.monotonic()
-            late = now - self._tick - HEARTBEAT_S
+            late = now - self._tick - beat
             if late > self.config.loop_stall_s:
                 self._stalled_at = now
                 logger.warning("the event loop stalled for %.1f s", late)
             self._tick = now
-            await asyncio.sleep(HEARTBEAT_S)
+            # idle (no call in flight): a slower beat, still well inside loop_stall_s (idle CPU)
+            beat = HEARTBEAT_S if self.active else min(IDLE_HEARTBEAT_S, self.config.loop_stall_s / 4)
+            await asyncio.sleep(beat)
 
     async def drain(self, timeout_s: float) -> None:
         """Take no new requests (503); let those in flight finish for up to `timeout_s`; stop the
@@ -160,7 +166,7 @@ class Router:
         return not self.active
 
 
-class RouterServer(uvicorn.Server):
+class RouterServer(QuietServer):
     """uvicorn serving the router app; SIGTERM or SIGINT drains the router (`Router.drain`),
     then the server exits (0). A second signal exits without waiting for the drain."""
 

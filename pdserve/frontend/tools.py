@@ -6,15 +6,21 @@ end of a choice.
   mode EMIT) only when the request has tools and `tool_choice` is not "none"; otherwise they
   are parsed and swallowed (SUPPRESS), so markup never reaches `content`.
 * `tool_choice: "none"` also leaves the tools out of the prompt, so the model answers in text.
-* `"required"` and a named function, for a model without a call syntax of its own (the
-  default model): enforced by grammar-constrained decoding. The output is a JSON call
-  `{"name", "arguments"}` (or a list of them) that `json_calls` answers as `tool_calls`;
+* `"required"` and a named function are enforced by grammar-constrained decoding:
+  * on a model with a call syntax of its own (DSML, DeepSeek V3/V3.1, GLM, Hermes), by a
+    grammar of that syntax (`pdserve.structured.tool_grammars`) whose arguments follow the
+    tools' schemas; the model's parser reads the output as always. The grammar starts after
+    the reasoning section when the prompt opens one; when the prompt leaves reasoning to the
+    model (no think marker at its end), one reasoning block may come first.
+  * on a model without one (the default model), as a JSON call `{"name", "arguments"}` (or a
+    list of them) that `json_calls` answers as `tool_calls`.
   `strict: true` on the tools makes unsupported schema keywords a 400 instead of ignored.
-* For models with a call syntax (DSML, GLM, Hermes) they are enforced by validation: when the
-  model ends on its own (finish reason "stop") without a complete call, the choice
-  fails with a 500 error object (`code: "tool_choice_not_satisfied"`), in a stream as its last
-  event. A choice cut by `max_tokens` is answered as it is, with finish reason "length". With a
-  named function, calls to other functions are swallowed (the message names them).
+* `"auto"` with every tool `strict: true`, on a model with a call syntax: free text (reasoning
+  markers included), and any call the model writes follows its tool's schema from its marker
+  on. Otherwise "auto" is not constrained.
+* A `"required"` choice that still ends without a complete call (a reasoning section the
+  model never closed) fails with a 500 error object (`code: "tool_choice_not_satisfied"`); one
+  cut by `max_tokens` is answered as it is, with finish reason "length".
 
 `output_constraint` gathers a request's one output constraint (response_format, vLLM's
 structured_outputs, or the tool-call grammar) and compiles it here, off the event loop, so a
@@ -32,10 +38,11 @@ from typing import Any
 
 from pdserve.frontend.errors import APIError, invalid
 from pdserve.frontend.protocol import ChatCompletionRequest, GenerationFields, named_function
-from pdserve.parsers import ParamSchema, Profile, ToolsMode, prompt_opens_reasoning, tool_schemas
+from pdserve.parsers import Format, ParamSchema, Profile, ToolsMode, prompt_opens_reasoning, tool_schemas
 from pdserve.parsers.options import ParserOptions
 from pdserve.structured import GrammarKind, GrammarObserver, Grammars, GrammarSpec
 from pdserve.structured.factory import grammars_for_tokenizer
+from pdserve.structured.tool_grammars import ToolGrammarError, call_syntax_grammar
 from pdserve.structured.spec import (GUIDED_FIELDS, SpecError, from_response_format, from_vllm, tool_call_schema,
                                      tools_strict)
 from pdserve.tokenizer import Tokenizer
@@ -63,14 +70,30 @@ class ToolPolicy:
                    parallel=req.parallel_tool_calls is not False, separate_reasoning=req.separate_reasoning,
                    schemas=tool_schemas(tools) if emit else {})
 
-    def call_grammar(self) -> GrammarSpec | None:
-        """The JSON-call grammar enforcing `"required"` or a named function (for models
-        without a call syntax); None when tool_choice asks for no call."""
-        if not self.required or not self.prompt_tools:
+    def call_grammar(self, profile: Profile, model_opens_reasoning: bool = False) -> GrammarSpec | None:
+        """The grammar enforcing `"required"` or a named function: the model's own call syntax,
+        or JSON calls for a model without one; for "auto" with every tool `strict`, on a model
+        with a call syntax, free text whose calls follow their schemas. None when nothing is
+        enforced. A 400 naming tool_choice when the tools cannot be written in the model's
+        syntax."""
+        if not self.prompt_tools:
             return None
-        schema = tool_call_schema(self.prompt_tools, self.function, self.parallel)
-        return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")),
-                           strict=tools_strict(self.prompt_tools, self.function))
+        strict = tools_strict(self.prompt_tools, self.function)
+        # "auto": a call is optional; with every tool strict, calls in the model's own syntax
+        # are still held to their schemas (free text around them)
+        optional = not self.required and strict and profile.format is not Format.PLAIN
+        if not self.required and not optional:
+            return None
+        if profile.format is Format.PLAIN:
+            schema = tool_call_schema(self.prompt_tools, self.function, self.parallel)
+            return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")), strict=strict)
+        try:
+            lark = call_syntax_grammar(profile, self.prompt_tools, self.function, self.parallel,
+                                       model_opens_reasoning, optional)
+        except ToolGrammarError as e:
+            raise invalid(f"tool_choice cannot be enforced in {profile.name}'s tool-call syntax: {e}",
+                          "tool_choice") from None
+        return GrammarSpec(GrammarKind.GRAMMAR, lark, strict=strict)
 
     def parser_options(self, profile: Profile, prompt_ids: Sequence[int], stop_ids: frozenset[int],
                        call_id_prefix: str) -> ParserOptions:
@@ -95,8 +118,8 @@ class ToolPolicy:
             else '"required"'
         other = f" (it called {', '.join(repr(n) for n in swallowed)} instead)" if swallowed else ""
         raise APIError(f"tool_choice {choice} was not satisfied: the model finished without calling {wanted}"
-                       f"{other}. pdserve checks tool_choice after generation and does not constrain "
-                       "decoding; retry, or use tool_choice \"auto\".",
+                       f"{other}: the output ended before the calls the grammar enforces (a reasoning section "
+                       "the model did not close); retry, or use tool_choice \"auto\".",
                        500, "server_error", "tool_choice", "tool_choice_not_satisfied")
 
 
@@ -115,11 +138,11 @@ def router_grammars(tokenizer: Tokenizer, observer: GrammarObserver | None = Non
     return grammars
 
 
-def output_constraint(req: GenerationFields, policy: ToolPolicy | None, call_syntax: bool
+def output_constraint(req: GenerationFields, policy: ToolPolicy | None, profile: Profile
                       ) -> tuple[GrammarSpec, str] | None:
     """The request's one output constraint and the field it came from; 400 when malformed or
-    when more than one field asks for one. `call_syntax`: the model writes calls its own way
-    (tool_choice is then checked after generation, not constrained)."""
+    when more than one field asks for one. `profile`: the model's output grammar (its call
+    syntax, if any, is what tool_choice is enforced in)."""
     found: list[tuple[GrammarSpec, str]] = []
     try:
         rf = from_response_format(getattr(req, "response_format", None))
@@ -131,9 +154,9 @@ def output_constraint(req: GenerationFields, policy: ToolPolicy | None, call_syn
             found.append((extra, "structured_outputs" if req.structured_outputs is not None else next(iter(guided))))
     except SpecError as e:
         raise invalid(str(e), e.param) from None
-    calls = policy.call_grammar() if policy is not None and not call_syntax else None
-    if calls is not None:
-        found.append((calls, "tools"))
+    calls = policy.call_grammar(profile) if policy is not None else None
+    if calls is not None and policy is not None and (policy.required or not found):
+        found.append((calls, "tools"))  # "auto"'s optional calls give way to response_format
     if len(found) > 1:
         raise invalid(f"only one output constraint per request: {' and '.join(p for _, p in found)} both ask "
                       "for one", found[1][1])
@@ -146,6 +169,38 @@ async def check_constraint(grammars: Grammars, spec: GrammarSpec, param: str) ->
     if why is not None:
         what = "the tools' parameters" if param == "tools" else param
         raise invalid(f"{what} cannot be enforced: {why}", param)
+
+
+def json_calls(field: str, profile: Profile) -> bool:
+    """The constraint is the JSON-call grammar of a model without a call syntax: its output is
+    read back by ``JsonCallDecoder``, not by the model's parser."""
+    return field == "tools" and profile.format is Format.PLAIN
+
+
+def for_prompt(constraint: tuple[GrammarSpec, str], policy: ToolPolicy, profile: Profile,
+               prompt_ids: Sequence[int]) -> GrammarSpec:
+    """The constraint as this prompt's output takes it. JSON calls are read as raw text: their
+    grammar starts at once. Anything else starts after the reasoning section when the prompt
+    opens one; a call-syntax grammar lets the model open one itself when the prompt leaves it
+    to the model (no think marker at its end, as Qwen3 in thinking mode)."""
+    spec, field = constraint
+    if json_calls(field, profile):
+        return spec
+    if field == "tools" and profile.think is not None and leaves_reasoning_to_model(profile, prompt_ids):
+        grammar = policy.call_grammar(profile, model_opens_reasoning=True)
+        assert grammar is not None
+        return grammar
+    return after_reasoning(spec, profile, prompt_ids)
+
+
+def leaves_reasoning_to_model(profile: Profile, prompt_ids: Sequence[int]) -> bool:
+    """The prompt's last non-blank token is no think marker (neither opens nor closes reasoning)."""
+    if profile.think is None:
+        return False
+    for token_id in reversed(prompt_ids):
+        if profile.vocab.token_bytes(token_id).strip() != b"":
+            return token_id not in (profile.think.start, profile.think.end)
+    return True
 
 
 def after_reasoning(spec: GrammarSpec, profile: Profile, prompt_ids: Sequence[int]) -> GrammarSpec:

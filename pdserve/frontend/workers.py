@@ -15,6 +15,12 @@ a wedged one's requests fail once it has been unwell for ``wedged_grace_s``.
 The set of workers can change while serving (``sync``, from DNS discovery): a new worker joins
 once it answers healthy; a worker that disappeared from its source retires (no new requests)
 and leaves once nothing runs on it any more, so its in-flight requests finish.
+
+A worker that died is probed on: when it answers again (a restarted process on the same URL,
+a new worker id), it is back in rotation. Its supervisor (`pdserve serve`) says when a dead
+worker is being restarted (``expect_back``); workers found by discovery are restarted by their
+orchestrator (``orchestrated``). Either way requests that need a missing worker wait in the
+admission queue for it, up to the queue's bound, instead of getting a 503 at once.
 """
 from __future__ import annotations
 
@@ -77,6 +83,8 @@ class WorkerEndpoint:
     inflight: InFlightSet = field(default_factory=InFlightSet)
     source: str | None = None   # the discovery target (NAME:PORT) it came from; None: given as a URL
     retired: bool = False       # gone from its source: no new requests, removed once idle
+    restarting: bool = False    # dead, and its supervisor is restarting it: requests may wait for it
+    load_step: int | None = None  # its step counter when `load` was read (/load changes only in a step)
 
     @property
     def worker_id(self) -> str | None:
@@ -130,6 +138,9 @@ class WorkerPool:
         self.clock = clock
         self.on_health = on_health
         self.on_change: Callable[[], None] | None = None  # room may have appeared (admission.py)
+        # roles whose workers an orchestrator keeps running (found by discovery: a pod that
+        # died is restarted by the kubelet): requests wait for them as for a restarting worker
+        self.orchestrated: set[Role] = set()
         self._pollers: dict[WorkerEndpoint, asyncio.Task[None]] = {}
         self._running = False
         for w in self.workers:
@@ -151,16 +162,40 @@ class WorkerPool:
         up = {w.role for w in self.workers if w.in_rotation}
         return Role.BOTH in up or {Role.PREFILL, Role.DECODE} <= up
 
-    def pick(self, fits: Callable[[WorkerEndpoint], bool] | None = None) -> Route:
-        """The least-loaded decode-capable worker, and for a decode worker the least-loaded
-        prefill; only workers for which `fits` holds (admission: those with room)."""
+    @property
+    def recovering(self) -> bool:
+        """Every needed role has a worker in rotation or being restarted: a request that needs
+        the missing one may wait for it (admission.py) instead of failing at once."""
+        up = {w.role for w in self.workers if w.in_rotation or (w.restarting and not w.retired)} | self.orchestrated
+        return Role.BOTH in up or {Role.PREFILL, Role.DECODE} <= up
+
+    def expect_back(self, url: str, coming_back: bool) -> None:
+        """Its supervisor saw the worker at `url` exit, and is (or is not) restarting it. The
+        process is gone: out of rotation now, without waiting for the next probe."""
+        for w in self.workers:
+            if w.url != _norm(url):
+                continue
+            if w.restarting != coming_back:
+                w.restarting = coming_back
+                logger.info("worker %s (%s) exited; %s", w.url, w.role.value,
+                            "it is being restarted" if coming_back else "it will not be restarted")
+            if w.healthy or w.inflight:
+                self.observe(w, Probe(False, "refused"))
+        self._changed()
+
+    def pick(self, fits: Callable[[WorkerEndpoint], bool] | None = None,
+             choose: Callable[[list[WorkerEndpoint]], WorkerEndpoint | None] | None = None) -> Route:
+        """A decode-capable worker, and for a decode worker a prefill one; only workers for which
+        `fits` holds (admission: those with room). `choose` picks one of the candidates of a
+        role (routing.py: by cached prefix and load); by default the least loaded."""
         def ok(w: WorkerEndpoint) -> bool:
             return w.available and (fits is None or fits(w))
 
-        prefill = _least_loaded([w for w in self.of_role(Role.PREFILL) if ok(w)])
+        choose = choose or least_loaded
+        prefill = choose([w for w in self.of_role(Role.PREFILL) if ok(w)])
         candidates = [w for w in self.workers if ok(w) and
                       (w.role is Role.BOTH or (w.role is Role.DECODE and prefill is not None))]
-        decode = _least_loaded(candidates)
+        decode = choose(candidates)
         if decode is None:
             raise unavailable("No worker is available to serve the request; try again later.")
         now = self.clock()
@@ -214,12 +249,15 @@ class WorkerPool:
                 task.cancel()
 
     async def _watch(self) -> None:
-        tick = self.interval_s / 4
+        busy_tick, idle_tick = self.interval_s / 4, self.idle_interval_s / 2
+        tick = busy_tick
         last = self.clock()
         while True:
             await asyncio.sleep(tick)
             now = self.clock()
             late, last = now - last - tick, now
+            # nothing in flight and every worker well: look as often as idle workers are probed
+            tick = busy_tick if any(w.inflight or w.reserved or not w.available for w in self.workers) else idle_tick
             if late > 0.25:  # our own loop stalled: answers may be waiting unread; look next time
                 continue
             for w in list(self.workers):
@@ -278,11 +316,15 @@ class WorkerPool:
         answered_at = self.clock()
         if probe.ok and w.info is None:
             w.info = await self.client.info(w.url, self.timeout_s)
+            w.load_step = None  # maybe a new process: its step counter started over
             self._check_role(w)
-        if probe.ok:
+        # what /load reports changes only in a step: with nothing of ours on it (no lease to
+        # renew), a worker whose step counter did not move is not asked again (idle CPU)
+        fresh = not (w.inflight or w.reserved) and probe.step is not None and probe.step == w.load_step
+        if probe.answered and not fresh:  # draining or wedged too: /load also renews its lease on our requests
             load = await self.client.load(w.url, self.timeout_s)
             if load is not None:
-                w.load = load
+                w.load, w.load_step = load, probe.step
         self.observe(w, probe, answered_at)
         self._changed()
 
@@ -298,7 +340,7 @@ class WorkerPool:
             w.asked_since = None
         if probe.ok or (probe.answered and probe.status == "draining"):
             w.healthy, w.draining, w.last_ok = True, probe.status == "draining", max(w.last_ok, at)
-            w.slow = False
+            w.slow = w.restarting = False
         elif probe.answered and probe.status == "wedged":
             # Its loop made no step for a while: no new requests. A long step under load looks
             # the same at first, so its requests get `wedged_grace_s` more before they fail.
@@ -342,7 +384,8 @@ class WorkerPool:
             logger.warning("worker %s reports role %r but was given as %s", w.url, w.info.role.value, w.role.value)
 
 
-def _least_loaded(workers: list[WorkerEndpoint]) -> WorkerEndpoint | None:
+def least_loaded(workers: list[WorkerEndpoint]) -> WorkerEndpoint | None:
+    """Fewest requests queued or running; ties: the one picked longest ago."""
     return min(workers, key=lambda w: (w.score(), w.last_pick), default=None)
 
 

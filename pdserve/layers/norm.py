@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+import pdserve_kernels as ops
 
 
 class RMSNorm(nn.Module):
@@ -13,9 +14,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # one fused kernel; the same arithmetic as below (equal to it bit for bit in fp32)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # lower precision: normalize in fp32, round, then scale, as transformers does
         dtype = x.dtype
         x = x.float()
@@ -27,6 +25,11 @@ class RMSNorm(nn.Module):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the sum
         written into `x`: callers pass a fresh activation (a layer's output) that nothing else
         reads, so no new tensor is needed."""
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # the op API: torch's fused rms_norm (the same arithmetic as `_norm`, bit for bit in
+            # fp32), or one native call for the add and the norm
+            out = ops.rms_norm(x, residual, self.weight, self.eps)
+            return out if residual is None else (out, x)
         if residual is None:
             return self._norm(x)
         x = x.add_(residual)

@@ -203,6 +203,8 @@ class LockstepLoop:
         sampled = self.run_batch(batch, self.rank == 0)
         self.sampled = sampled if self.rank == 0 else []
         if self.digest_every and (self.step_no + 1) % self.digest_every == 0:
+            if not self.scheduler.has_work():  # checking on: the books balance (cheap only when idle)
+                self.scheduler.allocator.check_integrity()
             self._digest = state_digest(self.scheduler, self.trace.digest() if self.trace else "")
             self._digest_step = self.step_no
         self.step_no += 1

@@ -122,3 +122,5 @@ class StepOutput:
     error: str | None = None
     room_blocks: list[int] | None = None  # decode: blocks allocated for the room's KV
     cached_tokens: int | None = None  # with the finish: prompt tokens this worker took from its cache
+    # with the first token (rank 0, params.prompt_logprobs): never in a plan, whose size is fixed
+    prompt_logprobs: list[TokenLogprobs | None] | None = None

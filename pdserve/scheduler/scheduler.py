@@ -92,6 +92,7 @@ class _Slot:
     num_pending: int
     blocks: list[int]
     prompt: list[int] | None = None  # an admitted request not yet a Sequence
+    computes_all: bool = False  # wants its prompt's logprobs: every position computed, no cache hit
 
 
 class Scheduler:
@@ -221,8 +222,10 @@ class Scheduler:
     def _cache_hit(self, slot: _Slot) -> tuple[list[int], int]:
         """What a request starting from nothing can reuse: the longest cached chain of its full
         blocks that leaves at least its last token to compute (its logits) — the device blocks
-        that hold its start, and how many more blocks the host tier holds after them."""
-        if not self.allocator.caching or slot.num_computed:
+        that hold its start, and how many more blocks the host tier holds after them. A request
+        that wants its prompt's logprobs takes nothing (its logits are computed at every
+        position); it still names its blocks for others."""
+        if not self.allocator.caching or slot.num_computed or slot.computes_all:
             return [], 0
         num_tokens = slot.num_pending
         usable = (num_tokens - 1) // self.config.block_size
@@ -247,10 +250,11 @@ class Scheduler:
         for tok in arrived:  # decode rooms whose KV landed: the prompt is cached, one token pending
             seq = self.held[tok.request_id]
             running.append(_Slot(seq, seq.request_id, len(seq.prompt_ids), 1, seq.block_table))
-        waiting = [_Slot(seq, seq.request_id, 0, seq.num_tokens, [])
+        waiting = [_Slot(seq, seq.request_id, 0, seq.num_tokens, [], computes_all=seq.wants_prompt_logprobs)
                    for seq in self.waiting if seq.request_id not in gone]
-        waiting += [_Slot(None, r.request_id, 0, len(r.prompt_ids), [], r.prompt_ids) for r in admitted
-                    if r.kv is not KVRole.DECODE]
+        waiting += [_Slot(None, r.request_id, 0, len(r.prompt_ids), [], r.prompt_ids,
+                          computes_all=r.params.prompt_logprobs is not None)
+                    for r in admitted if r.kv is not KVRole.DECODE]
 
         budget, batch, preempted = cfg.max_num_batched_tokens, [], []
         scheduled: set[str] = set()
@@ -410,8 +414,11 @@ class Scheduler:
         reason = seq.stop_reason(s.token_id, len(seq.output_ids))
         if reason:
             self._finish(seq, reason)
-        return StepOutput(seq.request_id, s.token_id, s.logprobs, reason,
-                          cached_tokens=seq.cached_tokens if reason else None)
+        out = StepOutput(seq.request_id, s.token_id, s.logprobs, reason,
+                         cached_tokens=seq.cached_tokens if reason else None)
+        if len(seq.output_ids) == 1 and seq.prompt_logprobs:  # rank 0's, from the model runner
+            out.prompt_logprobs, seq.prompt_logprobs = seq.prompt_logprobs, []
+        return out
 
     def _move_held(self, seq: Sequence, event: HeldEvent, outputs: list[StepOutput], *,
                    token: SampledToken | None = None, error: str | None = None,

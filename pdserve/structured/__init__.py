@@ -7,6 +7,8 @@ grammars, enforced tool calls). See docs/structured-outputs.md.
 * ``cache``: ``Grammars``, the per-tokenizer compile cache and the matchers' bookkeeping.
 * ``bitmask``: applying a packed token bitmask to logits (engine side: imports torch).
 * ``factory``: the ``Grammars`` of a tokenizer (router) or of a model directory (worker).
+* ``tool_grammars``: Lark grammars of the models' own tool-call syntax (DSML, GLM, Hermes,
+  DeepSeek V3/V3.1) for enforced ``tool_choice`` (router side).
 """
 from __future__ import annotations
 

@@ -35,7 +35,10 @@ class _Vocab:
         self.eos_token_id = tokenizer.eos_token_id
         self.bos_token_id = tokenizer.bos_token_id
         self.tokens = [tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
-        self.special_token_ids = sorted(tokenizer.special_ids)
+        # Every added token is special to llguidance, marked or not (V4's DSML, GLM's and Qwen's
+        # <tool_call>, <think>): the parsers read them by id as markup, so no text lexeme (a JSON
+        # string, a free value) may contain one; a grammar names them by id (`<[id]>`).
+        self.special_token_ids = sorted(tokenizer.special_ids | tokenizer.added_token_ids)
 
     def __call__(self, text: str | bytes) -> list[int]:
         if isinstance(text, bytes):

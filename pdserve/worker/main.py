@@ -16,6 +16,8 @@ import uvicorn
 from pdserve.engine.config import ContextDoesNotFit
 from pdserve.logs import about, setup_logging
 from pdserve.model_name import served_name
+from pdserve.preflight import ConfigError, Settings, check
+from pdserve.quiet_server import QuietServer
 
 from .faults import FaultPlan
 from .server import build_app
@@ -57,12 +59,16 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--internal-token", default=None, metavar="TOKEN",
                    help="require 'Authorization: Bearer TOKEN' on every internal endpoint but /health, "
                         "/ready and /metrics (default: $PDSERVE_INTERNAL_TOKEN; none: open, as on loopback)")
+    p.add_argument("--router-lease", type=float, default=0.0, metavar="S",
+                   help="abort the requests in flight once no router called for S seconds (its probes "
+                        "of /load renew the lease every --health-interval while requests run): a hung "
+                        "or cut-off router never holds KV blocks for long (default 0: off)")
     p.add_argument("--served-model-name", default=None,
                    help="the model_name label of this worker's metrics: give the router's (default: "
                         "as the router derives it from --model)")
 
 
-class DrainingServer(uvicorn.Server):
+class DrainingServer(QuietServer):
     """SIGTERM/SIGINT: refuse new requests (503), let in-flight ones finish for up to the drain
     timeout, abort the rest (their clients get an error, their blocks return), then exit."""
 
@@ -107,7 +113,10 @@ def worker_settings(args: argparse.Namespace, role: str) -> WorkerSettings:
 def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
     try:
         settings = worker_settings(args, role)
-    except ValueError as e:
+        check(Settings(model=args.model, tp=args.tp, host=args.host, port=args.port,
+                       kv_cache_memory=args.kv_cache_memory, max_model_len=args.max_model_len,
+                       block_size=args.block_size, dtype=args.dtype, device=args.device))
+    except (ValueError, ConfigError) as e:  # before any rank is spawned or any weight is read
         print(f"pdserve {getattr(args, 'command', role)}: error: {e}", file=sys.stderr)
         return 2
     if args.exit_with_parent and sys.platform.startswith("linux"):
@@ -137,7 +146,7 @@ def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
     if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("the internal API listens on %s without --internal-token: anyone who reaches it can "
                        "submit or abort requests", args.host)
-    app = build_app(worker, model_name, token)
+    app = build_app(worker, model_name, token, args.router_lease)
     server = DrainingServer(worker, uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                                                    access_log=False,
                                                    log_config=None if json_logs else uvicorn.config.LOGGING_CONFIG))
@@ -146,5 +155,8 @@ def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
     try:
         server.run()
     finally:
+        if worker.error is not None:  # a rank died or diverged: the others wait in a collective
+            for rank in worker.ranks:  # that can never complete; stopping them gently takes 10 s each
+                rank.kill()
         worker.stop()
     return 1 if worker.error else 0

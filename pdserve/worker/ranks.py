@@ -10,24 +10,22 @@ from __future__ import annotations
 import ctypes
 import logging
 import multiprocessing as mp
+import os
 import signal
-import socket
 import sys
 from collections.abc import Callable
 
+from pdserve.gloo_idle import preload_env
 from pdserve.logs import setup_logging
+from pdserve.ports import free_port  # noqa: F401  (the worker's import point for it)
 
 logger = logging.getLogger(__name__)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def spawn_ranks(ranks: range, engine_config, settings) -> list[mp.Process]:
     """Start `ranks` (global TP ranks) as child processes of this node's main process."""
+    # idle ranks without gloo's 10 ms tick: LD_PRELOAD reaches the spawned interpreters
+    os.environ.update(preload_env())
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=rank_main, args=(rank, engine_config, settings),
                          name=f"pdserve-tp{rank}", daemon=False) for rank in ranks]

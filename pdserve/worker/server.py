@@ -25,6 +25,7 @@ from pdserve.worker_api import (NDJSON, RETRY_AFTER_S, AbortRequest, AbortResult
                                 FinishReason, GenerateRequest, Health, HealthStatus, Info, Load, PrefillDone,
                                 PrefillRequest, Role, Room, RoomLine, SamplingParams, TokenLine, TokenLogprob, line)
 
+from .lease import RouterLease
 from .worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -83,11 +84,17 @@ def output_line(out: StepOutput) -> TokenLine:
                      logprobs=None if lp is None else [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                                                     top=[tuple(t) for t in lp.top])],
                      finish_reason=None if out.finish_reason is None else FinishReason(out.finish_reason),
-                     error=out.error, cached_tokens=out.cached_tokens if out.finish_reason else None)
+                     error=out.error, cached_tokens=out.cached_tokens if out.finish_reason else None,
+                     prompt_logprobs=None if out.prompt_logprobs is None else [
+                         None if e is None else TokenLogprob(token_id=e.token_id, logprob=e.logprob,
+                                                             top=[tuple(t) for t in e.top])
+                         for e in out.prompt_logprobs])
 
 
-def build_app(worker: Worker, model_name: str, internal_token: str | None = None) -> FastAPI:
+def build_app(worker: Worker, model_name: str, internal_token: str | None = None,
+              router_lease_s: float = 0.0) -> FastAPI:
     app = FastAPI(title=f"pdserve {worker.settings.role} worker")
+    lease = RouterLease(router_lease_s)  # renewed by every router call (lease.py)
     app.add_middleware(RequestIdContext)
     if internal_token:
         app.add_middleware(InternalToken, token=internal_token)
@@ -150,6 +157,7 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
 
     @app.get("/load")
     async def load() -> dict:
+        lease.renew()
         return Load.model_validate(worker.load()).wire()
 
     @app.get("/bootstrap")
@@ -170,6 +178,7 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
 
     @app.post("/abort")
     async def abort(request: Request) -> Response:
+        lease.renew()
         body = await parse(request, AbortRequest)
         if isinstance(body, JSONResponse):
             return error(ErrorCode.BAD_REQUEST, 'body must be {"request_id": str, "origin": str (optional)}')
@@ -183,6 +192,7 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
     async def generate(request: Request) -> Response:
         if role is Role.PREFILL:
             return error(ErrorCode.NOT_SERVED, "a prefill worker serves /prefill, not /generate")
+        lease.renew()
         if worker.draining:
             return draining()
         body = await parse(request, GenerateRequest)
@@ -219,6 +229,7 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
     async def prefill(request: Request) -> Response:
         if role is not Role.PREFILL:
             return error(ErrorCode.NOT_SERVED, "only prefill workers serve /prefill")
+        lease.renew()
         if worker.draining:
             return draining()
         body = await parse(request, PrefillRequest)
@@ -262,8 +273,31 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
             if not done:
                 worker.reader_left(rid)
 
+    async def watch_lease() -> None:
+        """Abort what is in flight once no router called for the lease (lease.py)."""
+        while True:
+            await asyncio.sleep(min(1.0, lease.lease_s / 4))
+            if not lease.expired() or not worker.in_flight():
+                continue
+            ids = worker.in_flight_ids()
+            logger.warning("no router call for %.1f s (--router-lease %g): aborting %d request(s) in flight",
+                           lease.silence(), lease.lease_s, len(ids))
+            for rid in ids:
+                worker.abort(rid, "abort", origin="timeout")
+            lease.renew()  # the next round of aborts, if any, after another lease
+
+    watcher: list[asyncio.Task[None]] = []
+
+    @app.on_event("startup")
+    async def _start() -> None:
+        lease.renew()
+        if lease.enabled:
+            watcher.append(asyncio.create_task(watch_lease(), name="router-lease"))
+
     @app.on_event("shutdown")
     async def _close() -> None:
+        for task in watcher:
+            task.cancel()
         await http.aclose()
 
     return app

@@ -443,3 +443,26 @@ def test_every_pod_command_parses_with_the_pdserve_cli(rendered, overlay: str) -
         else:
             assert settings.nnodes == 1, p.name
     assert len(names) == 1, names
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_a_restarted_pod_heals_and_a_crash_loop_says_why(rendered, overlay: str) -> None:
+    """Issue 20 in the cluster: the kubelet restarts a failed container (a TP group's pods as one
+    group), its worker rejoins through discovery; a crash-looping container's one-line start-up
+    error is its termination message; workers give up the requests of a router that stopped
+    calling them after a bounded lease; liveness and readiness probe /health and /ready."""
+    from pdserve.cli import build_parser
+
+    parser = build_parser()
+    config = env_config(rendered[overlay])
+    for p in pods(rendered[overlay]):
+        assert p.container.get("terminationMessagePolicy") == "FallbackToLogsOnError", p.name
+        assert p.spec.get("restartPolicy", "Always") == "Always", p.name
+        if p.owner["kind"] == "LeaderWorkerSet":
+            assert p.owner["spec"]["leaderWorkerTemplate"]["restartPolicy"] == "RecreateGroupOnPodRestart", p.name
+        args = parser.parse_args(expand(p.container["args"], pod_env(p, config)))
+        if p.role != "router":
+            assert 0 < args.router_lease <= 60, p.name
+        if p in api_pods(rendered[overlay]):
+            assert p.container["livenessProbe"]["httpGet"]["path"] == "/health", p.name
+            assert p.container["readinessProbe"]["httpGet"]["path"] == "/ready", p.name

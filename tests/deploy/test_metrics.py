@@ -40,6 +40,8 @@ EXPECTED = {
     "grammar_matchers_live": "gauge",
     # the router's admission queue (issue 17)
     "admission_queue_length": "gauge", "admission_queue_seconds": "histogram", "admission_rejections": "counter",
+    # cache-aware routing (issue 15)
+    "routing_decisions": "counter",
 }
 
 

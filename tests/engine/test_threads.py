@@ -70,3 +70,25 @@ def test_serve_fills_in_threads_only_when_not_given():
 def test_an_impossible_split_is_refused():
     with pytest.raises(ValueError, match="need at least one core and one process"):
         split_threads(0, 1)
+
+
+def test_serve_divides_the_cores_between_all_its_workers():
+    assert serve_threads("pd", tp=1, cores=16, workers=4).per_process == 4   # 2 prefill + 2 decode
+    assert serve_threads("colocated", tp=2, cores=16, workers=2).per_process == 4
+    many = serve_threads("pd", tp=1, cores=2, workers=3)  # more processes than cores: one thread each
+    assert many.per_process == 1 and many.oversubscribed
+    assert not serve_threads("pd", tp=1, cores=2).oversubscribed
+
+
+def test_serve_plans_threads_for_the_worker_counts_it_is_given():
+    from pdserve.launcher import StartupError, plan_threads
+
+    cores = cpu_cores()
+    args = argparse.Namespace(mode="colocated", tp=None, threads=None, workers=2)
+    plan_threads(args)
+    assert args.threads == max(1, cores // 2)
+    args = argparse.Namespace(mode="pd", tp=None, threads=None, prefill_workers=2, decode_workers=1)
+    plan_threads(args)
+    assert args.threads == max(1, cores // 3)
+    with pytest.raises(StartupError, match="--workers does not apply to --mode pd"):
+        plan_threads(argparse.Namespace(mode="pd", tp=None, threads=None, workers=2))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -20,6 +19,7 @@ import pytest
 
 from pdserve.frontend.app import create_app
 from pdserve.frontend.config import RouterConfig
+from pdserve.ports import free_port  # noqa: F401  (tests import it from here)
 from pdserve.tokenizer import Tokenizer
 
 from tests.frontend.router_cases import API_KEY
@@ -39,12 +39,6 @@ def children_of(pid: int) -> list[int]:
         if int(fields[1]) == pid:
             out.append(int(stat.parent.name))
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

@@ -86,8 +86,6 @@ def bad_input_cases(max_body: int) -> list[Case]:
         Case("completion_over_context", COMPLETIONS, body=completion(prompt=[28] * 9000),
              code="context_length_exceeded", param="prompt"),
         Case("completion_logprobs_too_many", COMPLETIONS, body=completion(logprobs=50), param="logprobs"),
-        Case("completion_echo_with_logprobs", COMPLETIONS, body=completion(echo=True, logprobs=1),
-             param="echo"),
         Case("oversize_body", CHAT, body=chat(padding="x" * (max_body + 1)), status=413,
              code="request_too_large"),
         Case("bad_api_key", CHAT, body=chat(), status=401, code="invalid_api_key",

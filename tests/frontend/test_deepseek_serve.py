@@ -4,6 +4,7 @@ colocated mode."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -40,12 +41,15 @@ def test_pd_equals_colocated(tmp_path):
                   eos_token_id=tok.token_to_id(family.eos), index_topk=8)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["model_type"] == "glm_moe_dsa"
-    results = {}
-    for mode in ("pd", "colocated"):
-        server = start_server("--model", str(tmp_path), "--served-model-name", "tiny-glm5", "--mode", mode)
-        try:
-            results[mode] = completions(server.url)
-        finally:
-            assert stop_server(server.proc) == 0
+    modes = ("pd", "colocated")
+    with ThreadPoolExecutor(len(modes)) as pool:  # the two start-ups overlap
+        starts = [pool.submit(start_server, "--model", str(tmp_path), "--served-model-name", "tiny-glm5",
+                              "--mode", mode) for mode in modes]
+    try:
+        servers = {mode: start.result() for mode, start in zip(modes, starts)}
+        results = {mode: completions(server.url) for mode, server in servers.items()}
+    finally:
+        codes = [stop_server(start.result().proc) for start in starts if start.exception() is None]
+    assert codes == [0, 0]
     assert all(len(r) == 20 for r in results["pd"])
     assert results["pd"] == results["colocated"]

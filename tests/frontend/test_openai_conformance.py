@@ -152,12 +152,6 @@ def test_over_the_context_is_a_400_with_the_numbers_within_half_a_second(client,
     assert f"maximum context length is {limit} tokens" in e.value.body["message"]
 
 
-def test_echo_with_logprobs_is_the_documented_refusal(client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, echo=True, logprobs=1)
-    assert e.value.body["param"] == "echo"
-
-
 def test_tokenize_counts_what_a_chat_request_is_billed(pd_server, client):
     r = client.chat.completions.create(model=MODEL, messages=messages(), max_tokens=2, temperature=0)
     counted = httpx.post(f"{pd_server.url}/tokenize", json={"messages": messages()}, timeout=10).json()

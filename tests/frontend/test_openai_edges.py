@@ -67,11 +67,6 @@ def test_405_names_the_allowed_methods(client):
     assert set(r.json()) == {"error"}
 
 
-def test_echo_with_logprobs_is_a_documented_refusal(client):
-    r = client.post(COMPLETIONS, json=completion(echo=True, logprobs=1), headers=AUTH)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
-
-
 @pytest.mark.parametrize("path,param,make", [
     (CHAT, "messages", lambda text: chat(messages=[{"role": "user", "content": text}])),
     (COMPLETIONS, "prompt", lambda text: completion(prompt=text)),

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import pdserve_kernels as ops
-from pdserve_kernels import Backend, KernelsUnavailable, attention, cpu_lib, cuda_lib, dispatch
+from pdserve_kernels import Backend, KernelsUnavailable, attention, attention_cpu, cpu_lib, cuda_lib, dispatch
 
 
 @pytest.fixture(autouse=True)
@@ -30,10 +30,10 @@ def test_auto_on_cpu_takes_the_native_cpu_kernels_when_built():
     assert avail, f"make setup builds the native CPU kernels: {avail.reason}"
     sel = ops.configure("cpu", torch.float32, "auto")
     assert sel.backend is Backend.NATIVE
-    assert sel.native_ops == ("qmatmul",)
-    assert set(sel.torch_ops) == {"paged_attention", "store_kv"}  # no native CPU attention
+    assert sel.native_ops == ("paged_attention", "qmatmul", "rms_norm")
+    assert sel.torch_ops == ("store_kv",)
     assert ops.qmatmul.impl is dispatch.OPS["qmatmul"].native["cpu"]
-    assert ops.paged_attention.impl is attention.paged_attention
+    assert ops.paged_attention.impl is attention_cpu.paged_attention_cpu
     assert "native on cpu" in sel.describe()
 
 

@@ -28,8 +28,13 @@ def engine(json_llama_dir: str) -> LLMEngine:
 
 
 @pytest.fixture(scope="module")
-def prompt(json_llama_dir: str) -> list[int]:
-    return Tokenizer(json_llama_dir).encode(PROMPT)
+def tok(json_llama_dir: str) -> Tokenizer:
+    return Tokenizer(json_llama_dir)  # loaded once: a load costs more than a whole example
+
+
+@pytest.fixture(scope="module")
+def prompt(tok: Tokenizer) -> list[int]:
+    return tok.encode(PROMPT)
 
 
 def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, tuple[list[int], str]]:
@@ -45,9 +50,8 @@ def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]
     return {rid: (tokens[rid], reasons[rid]) for rid in requests}
 
 
-def document(engine: LLMEngine, tokens: list[int]) -> object:
-    text = Tokenizer(engine.model_dir).decode(tokens, skip_special_tokens=True)
-    return json.loads(text)
+def document(tok: Tokenizer, tokens: list[int]) -> object:
+    return json.loads(tok.decode(tokens, skip_special_tokens=True))
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +61,7 @@ def free_alone(engine: LLMEngine, prompt: list[int]) -> list[int]:
 
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(schema=OBJECT_SCHEMAS)
-def test_every_document_validates_greedy_and_at_temperature_1(engine, prompt, free_alone, schema) -> None:
+def test_every_document_validates_greedy_and_at_temperature_1(engine, tok, prompt, free_alone, schema) -> None:
     spec = GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema))
     out = run(engine, {
         "greedy": (prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, structured=spec)),
@@ -67,8 +71,8 @@ def test_every_document_validates_greedy_and_at_temperature_1(engine, prompt, fr
     })
     for rid in ("greedy", "t1", "t1b"):
         tokens, reason = out[rid]
-        assert reason == "stop", (rid, schema, Tokenizer(engine.model_dir).decode(tokens))
-        jsonschema.validate(document(engine, tokens), schema)
+        assert reason == "stop", (rid, schema, tok.decode(tokens))
+        jsonschema.validate(document(tok, tokens), schema)
     assert out["free"][0] == free_alone
     assert engine.grammars.live == 0
     assert engine.allocator.num_free == engine.pool.num_blocks

@@ -22,7 +22,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.structured import GrammarKind, GrammarSpec
 from pdserve.tokenizer import Tokenizer
-from tests.worker.conftest import PDClient, WorkerProc, pool_full, start_worker, wait_for
+from tests.worker.conftest import PDClient, WorkerProc, pool_full, ready, start_worker, stop_all, wait_for
 
 from .strategies import OBJECT_SCHEMAS
 from .test_json_schemas import PROMPT, run
@@ -59,11 +59,10 @@ def reference(json_llama_dir: str) -> LLMEngine:
 
 @pytest.fixture(scope="module")
 def pd_tp2(json_llama_dir: str) -> Iterator[tuple[WorkerProc, WorkerProc]]:
-    prefill = start_worker("prefill", json_llama_dir, *FLAGS)
-    decode = start_worker("decode", json_llama_dir, *FLAGS)
+    prefill, decode = ready(start_worker("prefill", json_llama_dir, *FLAGS, wait=False),
+                            start_worker("decode", json_llama_dir, *FLAGS, wait=False))
     yield prefill, decode
-    prefill.stop()
-    decode.stop()
+    stop_all(prefill, decode)
 
 
 @settings(max_examples=5, deadline=None, derandomize=True,

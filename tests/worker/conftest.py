@@ -4,7 +4,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,14 +14,9 @@ import httpx
 import pytest
 
 from pdserve import worker_api as api
+from pdserve.ports import free_port  # noqa: F401  (tests import it from here)
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -46,7 +40,7 @@ class WorkerProc:
                     return self
             except httpx.HTTPError:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)
         self.kill()
         raise TimeoutError(f"{self.role} worker did not become ready")
 
@@ -77,6 +71,31 @@ def start_worker(role: str, model: str, *extra: str, worker_id: str | None = Non
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=log)
     w = WorkerProc(role, f"http://127.0.0.1:{port}", proc, worker_id, log.name)
     return w.wait_ready(timeout) if wait else w
+
+
+def ready(*workers: WorkerProc, timeout: float = 180) -> tuple[WorkerProc, ...]:
+    """Wait for workers started with `wait=False` (their start-ups overlap); kill them all if one
+    fails to come up."""
+    try:
+        for w in workers:
+            w.wait_ready(timeout)
+    except BaseException:
+        for w in workers:
+            w.kill()
+        raise
+    return workers
+
+
+def stop_all(*workers: WorkerProc) -> None:
+    """`stop()` every worker, their drains overlapping: SIGTERM to all, then wait for each."""
+    for w in workers:
+        if w.proc.poll() is None:
+            os.killpg(w.proc.pid, signal.SIGTERM)
+    for w in workers:
+        try:
+            w.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            w.kill()
 
 
 class PDClient:
@@ -144,8 +163,7 @@ def pool_full(w: WorkerProc) -> bool:
 
 @pytest.fixture(scope="module")
 def pd_pair(default_model_dir):
-    prefill = start_worker("prefill", default_model_dir)
-    decode = start_worker("decode", default_model_dir)
+    prefill, decode = ready(start_worker("prefill", default_model_dir, wait=False),
+                            start_worker("decode", default_model_dir, wait=False))
     yield prefill, decode
-    prefill.stop()
-    decode.stop()
+    stop_all(prefill, decode)

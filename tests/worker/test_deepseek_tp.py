@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import pool_full, start_worker, wait_for
+from .conftest import pool_full, ready, start_worker, stop_all, wait_for
 from .test_tp import assert_equal_greedy, reference, run_all
 
 # longer than index_topk (16), so the top-k choice and the transferred index keys matter
@@ -19,13 +19,13 @@ PROMPTS = [[5, 17, 99, 4, 8, 150, 33, 71, 12, 9, 200, 3, 3, 8, 61, 7, 12, 40, 41
 def test_glm5_tp2_equals_tp1(deepseek_dir):
     model = deepseek_dir("glm-5-shared")
     ref = reference(model, PROMPTS)
-    prefill = start_worker("prefill", model, "--tp", "2", "--check-divergence", "4")
-    decode = start_worker("decode", model, "--tp", "2", "--check-divergence", "4")
+    flags = ("--tp", "2", "--check-divergence", "4")
+    prefill, decode = ready(start_worker("prefill", model, *flags, wait=False),
+                            start_worker("decode", model, *flags, wait=False))
     try:
         assert_equal_greedy(model, PROMPTS, run_all(prefill, decode, PROMPTS), ref)
         wait_for(lambda: pool_full(prefill) and pool_full(decode), 20, "pools full")
         # no divergence between the ranks of either worker
         assert prefill.get("/health").status_code == 200 and decode.get("/health").status_code == 200
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all(prefill, decode)

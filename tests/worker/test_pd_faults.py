@@ -23,7 +23,7 @@ from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.worker.faults import FaultPlan, RankFaults
 
-from .conftest import PDClient, WorkerProc, pool_full, start_worker, wait_for
+from .conftest import PDClient, WorkerProc, pool_full, ready, start_worker, stop_all, wait_for
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "List three colors:",
            "1 2 3 4 5", "Roses are red,", "The quick brown fox", "Water boils at"]
@@ -59,13 +59,13 @@ async def until(pred, timeout: float, what: str) -> None:
         await asyncio.sleep(0.05)
 
 
-def stalled_decode(model_dir: str, monkeypatch, *extra: str) -> tuple[WorkerProc, str]:
+def stalled_decode(model_dir: str, monkeypatch, *extra: str, wait: bool = True) -> tuple[WorkerProc, str]:
     """A decode worker that stops polling its transfer agent while the returned file exists."""
     stall = os.path.join(tempfile.mkdtemp(prefix="pdserve-stall-"), "stall")
     with monkeypatch.context() as m:
         for name, value in FaultPlan({0: RankFaults(stall_file=stall)}).to_env().items():
             m.setenv(name, value)
-        return start_worker("decode", model_dir, *extra), stall
+        return start_worker("decode", model_dir, *extra, wait=wait), stall
 
 
 @pytest.mark.e2e
@@ -119,8 +119,9 @@ def test_prefill_killed_mid_transfer(default_model_dir, reference, monkeypatch):
     with monkeypatch.context() as m:
         for name, value in FaultPlan({0: RankFaults(hold_writes="victim-")}).to_env().items():
             m.setenv(name, value)
-        prefill = start_worker("prefill", default_model_dir)
-    decode = start_worker("decode", default_model_dir, "--max-num-seqs", "8")
+        prefill = start_worker("prefill", default_model_dir, wait=False)
+    decode = start_worker("decode", default_model_dir, "--max-num-seqs", "8", wait=False)
+    ready(prefill, decode)
     try:
         async def run():
             c = PDClient(prefill, decode)
@@ -153,8 +154,7 @@ def test_prefill_killed_mid_transfer(default_model_dir, reference, monkeypatch):
         tokens, reason, err = asyncio.run(PDClient(prefill, decode).generate("fresh", ids[0], GREEDY))
         assert err is None and tokens == ref[0]
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all(prefill, decode)
 
 
 @pytest.mark.e2e
@@ -165,8 +165,9 @@ def test_decode_killed_frees_prefill_blocks(default_model_dir, reference, monkey
     the prefill worker's own gauge shows them): every stream breaks, the prefill worker's
     writes drain and its blocks come back, and a new decode worker is served."""
     ids, ref = reference
-    prefill = start_worker("prefill", default_model_dir)
-    decode, stall = stalled_decode(default_model_dir, monkeypatch)
+    prefill = start_worker("prefill", default_model_dir, wait=False)
+    decode, stall = stalled_decode(default_model_dir, monkeypatch, wait=False)
+    ready(prefill, decode)
     open(stall, "w").close()
     try:
         async def run():
@@ -188,8 +189,7 @@ def test_decode_killed_frees_prefill_blocks(default_model_dir, reference, monkey
         tokens, reason, err = asyncio.run(PDClient(prefill, decode).generate("fresh", ids[0], GREEDY))
         assert err is None and tokens == ref[0]
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all(prefill, decode)
 
 
 async def _load(c: PDClient, w: WorkerProc, key: str, value: int) -> bool:

@@ -9,7 +9,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 
-from .conftest import PDClient, pool_full, start_worker, wait_for
+from .conftest import PDClient, pool_full, ready, start_worker, wait_for
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "List three colors:",
            "1 2 3 4 5", "Roses are red,", "The quick brown fox", "Water boils at", "Dear Sir or Madam,",
@@ -22,10 +22,7 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "Li
 def test_pd_and_colocated_greedy_equal_engine_alone(pd_pair, default_model_dir):
     """PD changes nothing: 16 prompts give the engine's greedy tokens through PD and colocated."""
     prefill, decode = pd_pair
-    llm = LLM(EngineConfig(model=default_model_dir))
-    ids = [llm.prompt_ids(p) for p in PROMPTS]
-    ref = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
-    both = start_worker("both", default_model_dir)
+    both = start_worker("both", default_model_dir, wait=False)  # starts while the reference runs
 
     async def run(p, d):
         c = PDClient(p, d)
@@ -33,6 +30,10 @@ def test_pd_and_colocated_greedy_equal_engine_alone(pd_pair, default_model_dir):
                                                                "ignore_eos": True})
                                       for i, x in enumerate(ids)))
     try:
+        llm = LLM(EngineConfig(model=default_model_dir))
+        ids = [llm.prompt_ids(p) for p in PROMPTS]
+        ref = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        ready(both)
         for results in (asyncio.run(run(prefill, decode)), asyncio.run(run(None, both))):
             for (tokens, reason, err), r in zip(results, ref):
                 assert err is None and reason == "length"

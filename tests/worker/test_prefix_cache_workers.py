@@ -16,7 +16,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
-from .conftest import pool_full, start_worker, wait_for
+from .conftest import pool_full, ready, start_worker, stop_all, wait_for
 from .test_tp import near_tie
 
 GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
@@ -100,21 +100,18 @@ def check(model_dir: str, results) -> None:
 @pytest.mark.e2e
 @pytest.mark.timeout(900)
 def test_multiturn_tp2_colocated_and_pd_equal_a_cache_off_engine(tiny_llama4_dir):
-    both = start_worker("both", tiny_llama4_dir, "--tp", "2", "--check-divergence", "4")
+    flags = ("--tp", "2", "--check-divergence", "4")
+    # the three workers start together: their start-ups overlap
+    both, prefill, decode = workers = ready(*(start_worker(role, tiny_llama4_dir, *flags, wait=False)
+                                              for role in ("both", "prefill", "decode")))
     try:
         check(tiny_llama4_dir, conversation(None, both, seed=1))
         assert both.get("/health").status_code == 200  # no divergence was found
         wait_for(lambda: pool_full(both), 20, "pool full")
-    finally:
-        both.stop()
-    prefill = start_worker("prefill", tiny_llama4_dir, "--tp", "2", "--check-divergence", "4")
-    decode = start_worker("decode", tiny_llama4_dir, "--tp", "2", "--check-divergence", "4")
-    try:
         check(tiny_llama4_dir, conversation(prefill, decode, seed=2))
         assert prefill.get("/health").status_code == 200 and decode.get("/health").status_code == 200
         metrics = prefill.get("/metrics").text
         assert "pdserve:prefix_cache_hits_total" in metrics
         wait_for(lambda: pool_full(prefill) and pool_full(decode), 20, "pools full")
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all(*workers)

@@ -14,7 +14,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
-from .conftest import PDClient, pool_full, start_worker, wait_for
+from .conftest import PDClient, pool_full, ready, start_worker, stop_all, wait_for
 
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 PROMPTS = [[5, 17, 99, 4, 8, 150], [200, 3, 3, 8, 61, 7, 12, 40, 41, 42], [42] * 9, [1, 2, 3],
@@ -62,21 +62,19 @@ def assert_equal_greedy(model_dir, prompts, got, ref):
 @pytest.mark.timeout(600)
 def test_tp2_colocated_and_pd_equal_tp1(tiny_llama4_dir):
     """(TP=4 runs in tests/worker/test_multinode.py, as one group over two "nodes".)"""
-    ref = reference(tiny_llama4_dir, PROMPTS)
-    both = start_worker("both", tiny_llama4_dir, "--tp", "2", "--check-divergence", "4")
+    flags = ("--tp", "2", "--check-divergence", "4")
+    # the three workers start together (their start-ups overlap), while the reference runs
+    both, prefill, decode = workers = [start_worker(role, tiny_llama4_dir, *flags, wait=False)
+                                       for role in ("both", "prefill", "decode")]
     try:
+        ref = reference(tiny_llama4_dir, PROMPTS)
+        ready(*workers)
         assert_equal_greedy(tiny_llama4_dir, PROMPTS, run_all(None, both, PROMPTS), ref)
         assert both.get("/health").status_code == 200  # no divergence was found
-    finally:
-        both.stop()
-    prefill = start_worker("prefill", tiny_llama4_dir, "--tp", "2", "--check-divergence", "4")
-    decode = start_worker("decode", tiny_llama4_dir, "--tp", "2", "--check-divergence", "4")
-    try:
         assert_equal_greedy(tiny_llama4_dir, PROMPTS, run_all(prefill, decode, PROMPTS), ref)
         wait_for(lambda: pool_full(prefill) and pool_full(decode), 20, "pools full")
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all(*workers)
 
 
 @pytest.mark.e2e
@@ -84,11 +82,13 @@ def test_tp2_colocated_and_pd_equal_tp1(tiny_llama4_dir):
 def test_tp3_on_the_default_model(default_model_dir):
     from pdserve.tokenizer import Tokenizer
 
-    tok = Tokenizer(default_model_dir)
-    prompts = [tok.encode(t) for t in ("The capital of France is", "def add(a, b):", "Roses are red,")]
-    ref = reference(default_model_dir, prompts)
-    both = start_worker("both", default_model_dir, "--tp", "3")  # PD under TP: the tiny models' tests
+    # colocated only (PD under TP: the tiny models' tests); it starts while the reference runs
+    both = start_worker("both", default_model_dir, "--tp", "3", wait=False)
     try:
+        tok = Tokenizer(default_model_dir)
+        prompts = [tok.encode(t) for t in ("The capital of France is", "def add(a, b):", "Roses are red,")]
+        ref = reference(default_model_dir, prompts)
+        ready(both)
         assert_equal_greedy(default_model_dir, prompts, run_all(None, both, prompts), ref)
     finally:
         both.stop()

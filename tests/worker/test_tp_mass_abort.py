@@ -11,7 +11,7 @@ import pytest
 
 from pdserve.worker.faults import FaultPlan, RankFaults
 
-from .conftest import PDClient, pool_full, start_worker, wait_for
+from .conftest import PDClient, pool_full, ready, start_worker, stop_all, wait_for
 from .test_tp import GREEDY, PROMPTS, assert_equal_greedy, reference, run_all
 
 
@@ -29,8 +29,8 @@ def in_flight(load: dict, running: int) -> bool:
 def test_mass_abort_under_tp2_pd(tiny_llama4_dir):
     ref = reference(tiny_llama4_dir, PROMPTS)
     flags = ("--tp", "2", "--check-divergence", "2", "--max-num-seqs", "64")
-    prefill = start_worker("prefill", tiny_llama4_dir, *flags)
-    decode = start_worker("decode", tiny_llama4_dir, *flags)
+    prefill, decode = ready(start_worker("prefill", tiny_llama4_dir, *flags, wait=False),
+                            start_worker("decode", tiny_llama4_dir, *flags, wait=False))
     rng = random.Random(3)
     try:
         async def round_(k: int) -> None:
@@ -58,8 +58,7 @@ def test_mass_abort_under_tp2_pd(tiny_llama4_dir):
         got = run_all(prefill, decode, prompts, prefix="after")
         assert_equal_greedy(tiny_llama4_dir, prompts, got, [ref[i % len(PROMPTS)] for i in range(50)])
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all(prefill, decode)
 
 
 @pytest.mark.e2e
@@ -71,10 +70,10 @@ def test_rank_local_transfer_faults_do_not_diverge(tiny_llama4_dir, monkeypatch)
     ref = reference(tiny_llama4_dir, PROMPTS)
     faults = FaultPlan({1: RankFaults(fail_rooms="victim-", delay_rooms="late-", delay_s=1.0, poll_delay_s=0.01)})
     flags = ("--tp", "2", "--check-divergence", "1")
-    prefill = start_worker("prefill", tiny_llama4_dir, *flags)
+    prefill = start_worker("prefill", tiny_llama4_dir, *flags, wait=False)
     for name, value in faults.to_env().items():
         monkeypatch.setenv(name, value)
-    decode = start_worker("decode", tiny_llama4_dir, *flags)
+    prefill, decode = ready(prefill, start_worker("decode", tiny_llama4_dir, *flags, wait=False))
     try:
         async def go():
             c = PDClient(prefill, decode)
@@ -96,5 +95,4 @@ def test_rank_local_transfer_faults_do_not_diverge(tiny_llama4_dir, monkeypatch)
         for w in (prefill, decode):
             assert w.get("/health").status_code == 200  # the digests never differed
     finally:
-        prefill.stop()
-        decode.stop()
+        stop_all(prefill, decode)

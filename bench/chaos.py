@@ -1,0 +1,222 @@
+"""Chaos: a streaming and non-streaming load against `pdserve serve` (PD) while processes are
+killed and paused at random, then the checks that prove the server healed and nothing leaked
+(docs/supervision.md).
+
+Faults, one every ``--every`` seconds on average (uniform in [0.5, 1.5] × that), each on a
+process drawn from the server's tree: SIGKILL of a worker's rank 0 or of a follower rank (the
+supervisor restarts the whole worker), or SIGSTOP for 1–5 s then SIGCONT of any process, the
+router included (the router itself is never killed: nothing above it would restart it).
+
+Checks:
+
+* every request either succeeded or failed with an OpenAI error object (a JSON error body, or
+  an SSE error event as a stream's last event): never a cut connection, never a stream that
+  ends with neither `[DONE]` nor an error;
+* `serve` is still running at the end, and after the last fault the server serves again;
+* every worker idle with every KV block free and no room live.
+
+    python bench/chaos.py --duration 300 --tp 1    # starts its own `pdserve serve`
+
+Exit status 0 when every check passed; the summary is printed as JSON (and --out FILE).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from soak import cmdline, start_serve, stop_serve, tree, wait_ready, workers_idle  # noqa: E402
+
+CHAT = "/v1/chat/completions"
+MODEL = "SmolLM2-135M-Instruct"
+HEAL_S = 120.0  # after the last fault: how long the server may take to serve again
+
+
+@dataclass
+class Tally:
+    ok: int = 0
+    errors: dict[str, int] = field(default_factory=dict)   # failed with an error object: by status
+    unexpected: list[str] = field(default_factory=list)    # failed without one
+    faults: list[str] = field(default_factory=list)
+
+    def error(self, status: int | str) -> None:
+        self.errors[str(status)] = self.errors.get(str(status), 0) + 1
+
+
+def body(rng: random.Random, stream: bool) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": f"Tell me about {rng.choice(['rain', 'bread', 'a robot'])}."}],
+            "max_tokens": rng.choice([8, 32, 96]), "ignore_eos": True, "stream": stream}
+
+
+async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+    stream = rng.random() < 0.7
+    try:
+        if not stream:
+            r = await http.post(CHAT, json=body(rng, False))
+            if r.status_code == 200:
+                tally.ok += 1
+            elif "error" in _json(r.text):
+                tally.error(r.status_code)
+            else:
+                tally.unexpected.append(f"HTTP {r.status_code} without an error object: {r.text[:120]!r}")
+            return
+        async with http.stream("POST", CHAT, json=body(rng, True)) as r:
+            if r.status_code != 200:
+                text = (await r.aread()).decode(errors="replace")
+                if "error" in _json(text):
+                    tally.error(r.status_code)
+                else:
+                    tally.unexpected.append(f"HTTP {r.status_code} without an error object: {text[:120]!r}")
+                return
+            last = None
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    last = line[6:]
+                    if last == "[DONE]" or "error" in _json(last):
+                        break
+            if last == "[DONE]":
+                tally.ok += 1
+            elif last is not None and "error" in _json(last):
+                tally.error("stream")
+            else:
+                tally.unexpected.append(f"a stream ended with neither [DONE] nor an error event (last: {last!r:.80})")
+    except httpx.HTTPError as e:
+        tally.unexpected.append(f"{'stream' if stream else 'request'} cut: {type(e).__name__}: {e}")
+
+
+def _json(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+async def load(url: str, until: float, clients: int, seed: int, tally: Tally) -> None:
+    async def client(i: int) -> None:
+        rng = random.Random(seed * 1000 + i)
+        async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300.0), trust_env=False) as http:
+            while time.monotonic() < until:
+                await one_request(http, rng, tally)
+
+    await asyncio.gather(*(client(i) for i in range(clients)))
+
+
+def victims(serve_pid: int) -> list[tuple[int, str]]:
+    """(pid, what) of every process of the server: the router (launcher) and each rank."""
+    out = []
+    for pid in tree(serve_pid):
+        cmd = cmdline(pid)
+        if pid == serve_pid:
+            out.append((pid, "router"))
+        elif "multiprocessing.spawn" in cmd:
+            out.append((pid, "follower rank"))
+        elif " prefill " in cmd or " decode " in cmd:
+            out.append((pid, ("prefill" if " prefill " in cmd else "decode") + " rank 0"))
+    return out
+
+
+async def faults(serve_pid: int, until: float, every_s: float, seed: int, tally: Tally) -> None:
+    rng = random.Random(seed)
+    while True:
+        await asyncio.sleep(every_s * rng.uniform(0.5, 1.5))
+        if time.monotonic() >= until:
+            return
+        procs = victims(serve_pid)
+        if not procs:
+            continue
+        pid, what = rng.choice(procs)
+        kill = what != "router" and rng.random() < 0.6
+        try:
+            if kill:
+                os.kill(pid, signal.SIGKILL)
+                tally.faults.append(f"SIGKILL {what} ({pid})")
+            else:
+                pause = rng.uniform(1.0, 5.0)
+                os.kill(pid, signal.SIGSTOP)
+                tally.faults.append(f"SIGSTOP {what} ({pid}) for {pause:.1f} s")
+                await asyncio.sleep(pause)
+                os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            continue
+        print(f"chaos: {tally.faults[-1]}", file=sys.stderr, flush=True)
+
+
+async def run(url: str, serve_pid: int, args: argparse.Namespace, tally: Tally) -> None:
+    until = time.monotonic() + args.duration
+    await asyncio.gather(load(url, until, args.clients, args.seed, tally),
+                         faults(serve_pid, until, args.every, args.seed, tally))
+
+
+def serves_again(url: str, timeout_s: float) -> float | None:
+    """Seconds until a plain request is served (None: not within `timeout_s`)."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout_s:
+        try:
+            r = httpx.post(url + CHAT, json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}],
+                                             "max_tokens": 4}, timeout=60, trust_env=False)
+            if r.status_code == 200:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of load and faults")
+    p.add_argument("--every", type=float, default=15.0, help="mean seconds between faults")
+    p.add_argument("--clients", type=int, default=4, help="concurrent request loops")
+    p.add_argument("--tp", type=int, default=1, help="TP ranks per worker (the default model: 1 or 3)")
+    p.add_argument("--port", type=int, default=8766)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log", type=Path, default=None, help="the server's output (default: discarded)")
+    p.add_argument("--out", type=Path, default=None, help="write the summary JSON here too")
+    args = p.parse_args(argv)
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    url = f"http://127.0.0.1:{args.port}"
+    # a fault may come while a worker restarts: no crash-loop verdict for faults we cause
+    proc = start_serve(args.port, args.tp, ["--threads", "1", "--restart-max", "1000",
+                                            "--worker-arg=--router-lease=30"], args.log)
+    tally = Tally()
+    summary: dict = {}
+    try:
+        wait_ready(url, proc, 600)
+        started = time.monotonic()
+        asyncio.run(run(url, proc.pid, args, tally))
+        healed = serves_again(url, HEAL_S)
+        idle, loads = workers_idle(url, None, 60)
+        summary = {
+            "duration_s": round(time.monotonic() - started), "tp": args.tp, "clients": args.clients,
+            "faults": len(tally.faults), "fault_list": tally.faults,
+            "ok": tally.ok, "failed_with_error_object": tally.errors, "unexpected": tally.unexpected[:50],
+            "unexpected_count": len(tally.unexpected), "serve_running": proc.poll() is None,
+            "served_again_after_s": None if healed is None else round(healed, 1), "workers_idle": idle,
+            "loads": [{k: ld[k] for k in ("url", "free_blocks", "total_blocks", "in_flight", "rooms_live")}
+                      for ld in loads],
+        }
+    finally:
+        stop_serve(proc)
+    summary["passed"] = (not summary.get("unexpected_count") and summary.get("serve_running", False)
+                         and summary.get("served_again_after_s") is not None and summary.get("workers_idle", False))
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    return 0 if summary["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

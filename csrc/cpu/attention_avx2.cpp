@@ -1,0 +1,197 @@
+// Paged decode attention (see attention.h), compiled with AVX2 + FMA. head_dim a multiple of 8
+// (64, 128: every model here) takes the intrinsics path: per chunk of keys, the scores of every
+// query head of the group, one vectorized exp over them, then each value row added to every
+// head's accumulator. Other head sizes take a plain `omp simd` loop of the same arithmetic.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "attention.h"
+
+namespace pds_cpu {
+namespace {
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void scale_add(float* acc, float alpha, const float* v, float p, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] * alpha + p * v[i];
+}
+
+inline float hsum(__m256 v) {
+  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+  r = _mm_add_ss(r, _mm_movehdup_ps(r));
+  return _mm_cvtss_f32(r);
+}
+
+// e^x for x <= 0, 8 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two constants so
+// n ln2 is exact enough), e^r by its degree-6 Taylor-like minimax polynomial (relative error
+// ~2e-7, a few fp32 ulps), times 2^n built in the exponent bits. Below -87.3 (and for -inf, the
+// padding) the result is 0, which is what the softmax needs there.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.3f);
+  const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);  // false for -inf and NaN-free pads
+  x = _mm256_max_ps(x, lo);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), zero_mask);
+}
+
+// The head_dim % 8 == 0 path; same scratch layout as the generic one, scores padded to 8.
+void decode_attention_vec(const DecodeAttention& a, int64_t b, int64_t kvh, float* scratch) {
+  const int64_t group = a.heads / a.kv_heads, d = a.head_dim, bs = a.block_size;
+  const int64_t len = a.lens[b], row = a.kv_heads * d;
+  const float* q = a.q + b * a.q_stride + kvh * group * d;
+  const int64_t* table = a.tables + b * a.table_stride;
+  float* acc = scratch;
+  float* scores = acc + group * d;
+  float* run_max = scores + group * kKeysPerChunk;
+  float* run_sum = run_max + group;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t g = 0; g < group; ++g) {
+    run_max[g] = neg_inf;
+    run_sum[g] = 0.0f;
+    for (int64_t i = 0; i < d; ++i) acc[g * d + i] = 0.0f;
+  }
+  const __m256 scale = _mm256_set1_ps(a.scale);
+  for (int64_t t0 = 0; t0 < len;) {
+    const int64_t off = t0 % bs, n = std::min({kKeysPerChunk, bs - off, len - t0});
+    const int64_t base = (table[t0 / bs] * bs + off) * row + kvh * d;
+    const int64_t padded = (n + 7) & ~int64_t{7};
+    for (int64_t j = 0; j < n; ++j) {  // scores: each key row read once for the whole group
+      const float* k = a.k_cache + base + j * row;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * d;
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        int64_t i = 0;
+        for (; i + 16 <= d; i += 16) {
+          s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), s0);
+          s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(k + i + 8), s1);
+        }
+        if (i < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), s0);
+        scores[g * kKeysPerChunk + j] = hsum(_mm256_add_ps(s0, s1));
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {  // online softmax update, 8 scores at a time
+      float* s = scores + g * kKeysPerChunk;
+      for (int64_t j = n; j < padded; ++j) s[j] = neg_inf;
+      __m256 mx = _mm256_set1_ps(run_max[g]);
+      for (int64_t j = 0; j < padded; j += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(s + j), scale);
+        _mm256_storeu_ps(s + j, v);
+        mx = _mm256_max_ps(mx, v);
+      }
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float m = _mm_cvtss_f32(m4);
+      const __m256 mv = _mm256_set1_ps(m);
+      __m256 sum = _mm256_setzero_ps();
+      for (int64_t j = 0; j < padded; j += 8) {
+        const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv));
+        _mm256_storeu_ps(s + j, p);
+        sum = _mm256_add_ps(sum, p);
+      }
+      const float alpha = std::exp(run_max[g] - m);  // 0 on the first chunk (exp(-inf))
+      run_sum[g] = run_sum[g] * alpha + hsum(sum);
+      run_max[g] = m;
+      if (alpha != 1.0f) {
+        const __m256 av = _mm256_set1_ps(alpha);
+        float* o = acc + g * d;
+        for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_loadu_ps(o + i), av));
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {  // values: each row read once for the whole group
+      const float* v = a.v_cache + base + j * row;
+      for (int64_t g = 0; g < group; ++g) {
+        const __m256 p = _mm256_set1_ps(scores[g * kKeysPerChunk + j]);
+        float* o = acc + g * d;
+        for (int64_t i = 0; i < d; i += 8)
+          _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+      }
+    }
+    t0 += n;
+  }
+  float* out = a.out + (b * a.heads + kvh * group) * d;
+  for (int64_t g = 0; g < group; ++g) {
+    const __m256 inv = _mm256_set1_ps(1.0f / run_sum[g]);
+    for (int64_t i = 0; i < d; i += 8)
+      _mm256_storeu_ps(out + g * d + i, _mm256_mul_ps(_mm256_loadu_ps(acc + g * d + i), inv));
+  }
+}
+
+}  // namespace
+
+void decode_attention_avx2(const DecodeAttention& a, int64_t b, int64_t kvh, float* scratch) {
+  if (a.head_dim % 8 == 0) return decode_attention_vec(a, b, kvh, scratch);
+  const int64_t group = a.heads / a.kv_heads, d = a.head_dim, bs = a.block_size;
+  const int64_t len = a.lens[b], row = a.kv_heads * d;  // floats between neighbouring tokens
+  const float* q = a.q + b * a.q_stride + kvh * group * d;
+  const int64_t* table = a.tables + b * a.table_stride;
+  float* acc = scratch;                        // [group][d]
+  float* scores = acc + group * d;             // [group][kKeysPerChunk]
+  float* run_max = scores + group * kKeysPerChunk;  // [group]
+  float* run_sum = run_max + group;                 // [group]
+  for (int64_t g = 0; g < group; ++g) {
+    run_max[g] = -std::numeric_limits<float>::infinity();
+    run_sum[g] = 0.0f;
+    for (int64_t i = 0; i < d; ++i) acc[g * d + i] = 0.0f;
+  }
+  const float* kv_rows[kKeysPerChunk];
+  const float* vv_rows[kKeysPerChunk];
+  for (int64_t t0 = 0; t0 < len;) {
+    // the keys of one chunk never cross a block boundary: one table lookup per chunk
+    const int64_t off = t0 % bs, n = std::min({kKeysPerChunk, bs - off, len - t0});
+    const int64_t base = (table[t0 / bs] * bs + off) * row + kvh * d;
+    for (int64_t j = 0; j < n; ++j) {
+      kv_rows[j] = a.k_cache + base + j * row;
+      vv_rows[j] = a.v_cache + base + j * row;
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* s = scores + g * kKeysPerChunk;
+      float m = run_max[g];
+      for (int64_t j = 0; j < n; ++j) {
+        s[j] = dot(q + g * d, kv_rows[j], d) * a.scale;
+        m = std::max(m, s[j]);
+      }
+      const float alpha = std::exp(run_max[g] - m);  // 0 on the first chunk (exp(-inf))
+      float sum = run_sum[g] * alpha;
+      float* o = acc + g * d;
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = std::exp(s[j] - m);
+        sum += p;
+        scale_add(o, j == 0 ? alpha : 1.0f, vv_rows[j], p, d);
+      }
+      run_max[g] = m;
+      run_sum[g] = sum;
+    }
+    t0 += n;
+  }
+  float* out = a.out + (b * a.heads + kvh * group) * d;
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.0f / run_sum[g];
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = acc[g * d + i] * inv;
+  }
+}
+
+}  // namespace pds_cpu

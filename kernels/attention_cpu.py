@@ -1,0 +1,44 @@
+"""Paged attention on the native CPU kernel of csrc/cpu (decode batches; fp32).
+
+Same signature and result as `attention.paged_attention` (the reference it is tested against).
+A decode-only batch (one new token per sequence) reads K/V in place from the paged cache through
+the block tables, every sequence and KV head in one call (no gather, no padding mask); anything
+else (prefill chunks, other dtypes) runs the reference.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import cpu_lib
+from .attention import paged_attention
+
+# (block_tables, context_lens, int64 lens, contiguous tables): every layer of a step passes the
+# same tables tensor and lengths, so the lengths become a tensor once per step, not per layer
+_step_memo: tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor] | None = None
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        query_start_loc: list[int], context_lens: list[int],
+                        block_tables: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of new tokens over the paged cache (which already holds them)."""
+    num_seqs = len(context_lens)
+    if not (num_seqs and query_start_loc[-1] == num_seqs and q.dtype == k_cache.dtype == v_cache.dtype
+            == torch.float32 and q.device.type == "cpu" and q.shape[-1] == k_cache.shape[-1]):
+        return paged_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables, scale)
+    lens, tables = _step_tensors(block_tables, context_lens)
+    if q.stride()[1:] != (q.shape[2], 1):
+        q = q.contiguous()
+    return cpu_lib.paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+
+
+def _step_tensors(block_tables: torch.Tensor, context_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    global _step_memo
+    memo = _step_memo
+    if memo is not None and memo[0] is block_tables and memo[1] == context_lens:
+        return memo[2], memo[3]
+    lens = torch.tensor(context_lens, dtype=torch.int64)
+    tables = block_tables.to(torch.int64)
+    if tables.stride(-1) != 1:
+        tables = tables.contiguous()
+    _step_memo = (block_tables, list(context_lens), lens, tables)
+    return lens, tables

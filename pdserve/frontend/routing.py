@@ -1,0 +1,231 @@
+"""Cache-aware routing: a request goes to the worker most likely to hold its prompt's prefix in
+its KV cache, unless that worker is much busier than another one (docs/prefix-cache.md).
+
+The router keeps, per worker, an approximate index of what it sent there: the chained hashes
+of the full blocks of each prompt (the workers name their cached blocks the same way, chained,
+so block i's hash stands for the whole prefix up to it). The index is an LRU bounded by the
+worker's KV pool (`Info.num_blocks`), so it forgets roughly what the worker's own LRU evicts,
+and its memory is bounded. Nothing is asked of the workers: a wrong guess costs a cache miss,
+never a wrong answer.
+
+One request's choice (SGLang's cache-aware router is the model; the rule in our words):
+
+* among the workers that may take it, the one whose index matches the most leading blocks of
+  the prompt (ties: the least loaded) — reason ``prefix``;
+* unless that worker is overloaded against the least-loaded one: its load exceeds the least
+  load by more than ``balance_abs`` requests *and* by a factor of ``balance_rel`` — then the
+  least loaded (reason ``balance``); the prefix is sent there too, so a hot prefix spreads;
+* no worker matches a block: the least loaded (reason ``load``).
+
+Only workers that cache prefixes (prefill and colocated ones) are chosen by prefix; PD decode
+workers keep no prefix index (their prompts' KV arrives by transfer), so they are picked least
+loaded and their choice is not counted as a routing decision.
+
+``Placement`` holds one request's choices until its routes are reserved; only then are its
+blocks entered into the index and its decisions counted (admission may try a request many
+times while it waits for room).
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+from pdserve.frontend.workers import Route, WorkerEndpoint, least_loaded
+from pdserve.worker_api import Info, Role
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BLOCK_SIZE = 16          # a worker that has not reported its block size yet
+MAX_BLOCKS_PER_WORKER = 1 << 16  # the index's bound per worker, whatever its pool reports
+BALANCE_ABS = 2                  # requests: a prefix holder this much busier than the least loaded ...
+BALANCE_REL = 1.5                # ... and this many times as busy is passed over
+
+
+class Policy(str, enum.Enum):
+    """`--routing`."""
+
+    CACHE_AWARE = "cache-aware"
+    LEAST_LOADED = "least-loaded"
+
+
+class Reason(str, enum.Enum):
+    """Why a worker was chosen (the metrics' label)."""
+
+    PREFIX = "prefix"    # it most likely holds the longest prefix of the prompt
+    BALANCE = "balance"  # a prefix holder was too busy: the least loaded instead
+    LOAD = "load"        # nothing of the prompt is cached anywhere (or least-loaded routing)
+
+
+REASONS = tuple(r.value for r in Reason)
+
+
+class Decision(NamedTuple):
+    worker: WorkerEndpoint
+    reason: Reason
+    matched_blocks: int
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """The chained hash of every full block of `token_ids`: hash(i) = H(hash(i-1) ‖ block i).
+    64 bits: a collision only misroutes one request."""
+    out: list[int] = []
+    prev = b""
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        digest = hashlib.blake2b(prev + array("I", token_ids[start:start + block_size]).tobytes(),
+                                 digest_size=8).digest()
+        out.append(int.from_bytes(digest, "little"))
+        prev = digest
+    return out
+
+
+class PromptKey:
+    """A prompt's token ids, hashed per block size on first use."""
+
+    def __init__(self, token_ids: Sequence[int]) -> None:
+        self.token_ids = token_ids
+        self._hashes: dict[int, list[int]] = {}
+
+    def hashes(self, block_size: int) -> list[int]:
+        if block_size not in self._hashes:
+            self._hashes[block_size] = block_hashes(self.token_ids, block_size)
+        return self._hashes[block_size]
+
+
+class PrefixIndex:
+    """The block hashes one worker was sent, least recently sent first, at most `capacity`."""
+
+    def __init__(self, capacity: int, info: Info | None = None) -> None:
+        self.capacity = max(1, capacity)
+        self.info = info  # the worker's /info when it was made: a new one means a new process
+        self._blocks: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def match(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of the prompt are here."""
+        n = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, hashes: Sequence[int]) -> None:
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+
+def caches_prefixes(w: WorkerEndpoint) -> bool:
+    return w.role is not Role.DECODE
+
+
+class CacheAwareRouter:
+    """The routing policy over the pool's workers; `placement(prompt_ids)` is the entry point."""
+
+    def __init__(self, policy: Policy = Policy.CACHE_AWARE, *, balance_abs: int = BALANCE_ABS,
+                 balance_rel: float = BALANCE_REL, max_blocks_per_worker: int = MAX_BLOCKS_PER_WORKER) -> None:
+        self.policy = Policy(policy)
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.max_blocks_per_worker = max_blocks_per_worker
+        self.decisions: dict[Reason, int] = {r: 0 for r in Reason}
+        self.on_decision: Callable[[str], None] | None = None  # metrics
+        self._index: dict[WorkerEndpoint, PrefixIndex] = {}
+
+    def placement(self, key: PromptKey | None) -> Placement:
+        """The choices of one request for the prompt `key` (None: no prompt known: least
+        loaded). Admission makes one per attempt to find room, with the request's one key."""
+        return Placement(self, key)
+
+    def retain(self, workers: Iterable[WorkerEndpoint]) -> None:
+        """Forget the workers that left, and those that are no longer the process they were
+        (out of rotation, or back with a new /info): their caches are gone."""
+        live = {w for w in workers if w.healthy and not w.retired}
+        for w in [w for w, idx in self._index.items() if w not in live or w.info is not idx.info]:
+            del self._index[w]
+
+    def index(self, w: WorkerEndpoint) -> PrefixIndex:
+        idx = self._index.get(w)
+        if idx is None or idx.info is not w.info:
+            pool = w.info.num_blocks if w.info is not None and w.info.num_blocks > 0 else self.max_blocks_per_worker
+            idx = self._index[w] = PrefixIndex(min(pool, self.max_blocks_per_worker), w.info)
+        return idx
+
+    def decide(self, workers: Sequence[WorkerEndpoint], key: PromptKey | None) -> Decision | None:
+        """The worker for one choice among `workers` (pure: nothing is recorded)."""
+        least = least_loaded(list(workers))
+        if least is None:
+            return None
+        if self.policy is Policy.LEAST_LOADED or key is None or not caches_prefixes(least):
+            return Decision(least, Reason.LOAD, 0)
+        best, matched = least, 0
+        for w in sorted(workers, key=_load_order):  # ties: the least loaded first
+            n = self.index(w).match(key.hashes(_block_size(w))) if w in self._index else 0
+            if n > matched:
+                best, matched = w, n
+        if matched == 0:
+            return Decision(least, Reason.LOAD, 0)
+        if self.overloaded(best, least):
+            logger.debug("routing: %s holds %d block(s) of the prompt but has load %d; %s (load %d) instead",
+                         best.url, matched, best.score(), least.url, least.score())
+            return Decision(least, Reason.BALANCE, 0)
+        return Decision(best, Reason.PREFIX, matched)
+
+    def overloaded(self, holder: WorkerEndpoint, least: WorkerEndpoint) -> bool:
+        busy, idle = holder.score(), least.score()
+        return busy - idle > self.balance_abs and busy > self.balance_rel * idle
+
+    def record(self, decision: Decision, key: PromptKey | None) -> None:
+        """The request was sent: its prompt's blocks are now (likely) cached on the worker."""
+        self.decisions[decision.reason] += 1
+        if self.on_decision is not None:
+            self.on_decision(decision.reason.value)
+        if key is not None and self.policy is Policy.CACHE_AWARE:
+            self.index(decision.worker).insert(key.hashes(_block_size(decision.worker)))
+
+
+class Placement:
+    """One request's worker choices (`choose`, given to `WorkerPool.pick`), kept until
+    `commit` records them once its routes are reserved."""
+
+    def __init__(self, router: CacheAwareRouter, key: PromptKey | None) -> None:
+        self.router = router
+        self.key = key
+        self.decisions: list[Decision] = []
+
+    def choose(self, workers: list[WorkerEndpoint]) -> WorkerEndpoint | None:
+        decision = self.router.decide(workers, self.key)
+        if decision is None:
+            return None
+        if caches_prefixes(decision.worker):
+            self.decisions.append(decision)
+        return decision.worker
+
+    def discard(self) -> None:
+        """The choices made so far were not used (no room for all of them)."""
+        self.decisions.clear()
+
+    def commit(self, routes: Iterable[Route]) -> None:
+        """The request's routes are reserved: record the choices they use."""
+        used = {w for route in routes for w in route if w is not None}
+        for decision in self.decisions:
+            if decision.worker in used:
+                self.router.record(decision, self.key)
+        self.decisions.clear()
+
+
+def _block_size(w: WorkerEndpoint) -> int:
+    return w.info.block_size if w.info is not None and w.info.block_size > 0 else DEFAULT_BLOCK_SIZE
+
+
+def _load_order(w: WorkerEndpoint) -> tuple[int, float]:
+    return (w.score(), w.last_pick)

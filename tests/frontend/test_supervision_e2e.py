@@ -1,0 +1,179 @@
+"""`pdserve serve` supervises its workers (issue 20), as a user sees it, on one server shared by
+the module (the tests run in order and share its restart history):
+
+* SIGKILL of the prefill worker while streams decode: the streams end with [DONE]; a new
+  request waits in the admission queue for the restarted worker and is served within 30 s;
+  serve keeps running; the pools are full at the end.
+* SIGKILL of the decode worker: its streams end with an error event within 2 s; a later
+  request succeeds once it is back.
+* A router that stops answering (SIGSTOP) with streams in flight: the workers abort them once
+  its lease ran out, and every block comes back; after SIGCONT the streams end with an error.
+* A crash loop (the model directory vanished: each restart fails at once) ends serve with the
+  worker's own error as one line and exit 1.
+* `--tp 2` on the default model (9 heads) is refused in one line, in under 3 s.
+
+Every stream is read by `streams.read_stream`, which fails on a stream that ends with neither
+[DONE] nor an error event."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.frontend.conftest import Server, children_of, serve_command, start_server, stop_server
+from tests.frontend.streams import MODEL, Streams
+
+pytestmark = [pytest.mark.e2e, pytest.mark.chaos, pytest.mark.timeout(300)]
+
+STORY = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 32,
+         "ignore_eos": True, "temperature": 0}
+BACK_WITHIN_S = 30.0
+ERROR_WITHIN_S = 2.0
+MAX_RESTARTS = 2
+LEASE_S = 5.0  # the workers' --router-lease
+
+
+@pytest.fixture(scope="module")
+def server(default_model_dir: str, tmp_path_factory) -> Iterator[tuple[Server, Path]]:
+    """serve on a symlink to the default model (the crash-loop test removes it)."""
+    link = tmp_path_factory.mktemp("supervised") / "model"
+    link.symlink_to(default_model_dir)
+    srv = start_server("--mode", "pd", "--model", str(link), "--served-model-name", MODEL, "--restart-max", str(MAX_RESTARTS),
+                       "--restart-window", "600", "--restart-backoff", "0.2", f"--worker-arg=--router-lease={LEASE_S:g}")
+    yield srv, link
+    stop_server(srv.proc)
+
+
+def worker_pid(srv: Server, role: str) -> int:
+    """The pid of the worker process (its TP rank 0) of `role`."""
+    for pid in children_of(srv.proc.pid):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if role.encode() in argv:
+            return pid
+    raise AssertionError(f"no {role} worker under serve (pid {srv.proc.pid})")
+
+
+def router_health(srv: Server) -> dict[str, dict]:
+    return {w["role"]: w for w in httpx.get(f"{srv.url}/health", timeout=10).json()["workers"]}
+
+
+def wait_until(what: str, cond, timeout_s: float, every_s: float = 0.05):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(every_s)
+    raise AssertionError(f"not within {timeout_s} s: {what}")
+
+
+def chat(srv: Server, timeout_s: float = 60.0) -> httpx.Response:
+    return httpx.post(f"{srv.v1}/chat/completions", timeout=timeout_s,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4})
+
+
+def pools_full(srv: Server) -> bool:
+    for w in router_health(srv).values():
+        load = httpx.get(f"{w['url']}/load", timeout=10).json()
+        busy = load["waiting"] + load["running"] + load["transferring"] + load.get("in_flight", 0)
+        if busy or load["free_blocks"] != load["total_blocks"]:
+            return False
+    return True
+
+
+def test_a_killed_prefill_worker_is_restarted_and_decoding_streams_finish(server):
+    srv, _ = server
+    streams = Streams(f"{srv.v1}/chat/completions", STORY, 4)
+    streams.wait_started()  # every stream is decoding: none needs the prefill worker any more
+    os.kill(worker_pid(srv, "prefill"), signal.SIGKILL)
+    killed = time.monotonic()
+    # once the router knows it is gone, a new request waits in the admission queue for the
+    # restarted worker (no 503)
+    wait_until("the router sees the prefill worker down", lambda: not router_health(srv)["prefill"]["healthy"], 10)
+    r = chat(srv)
+    back = time.monotonic() - killed
+    assert r.status_code == 200, r.text
+    assert back < BACK_WITHIN_S
+    ends = streams.join()
+    assert all(e.done for e in ends), [e.error for e in ends]
+    assert srv.proc.poll() is None
+    wait_until("every KV block is free again", lambda: pools_full(srv), 10, 0.2)
+    print(f"prefill killed: 4/4 streams [DONE]; served again {back:.1f} s after the kill")
+
+
+def test_a_killed_decode_worker_fails_its_streams_at_once_and_comes_back(server):
+    srv, _ = server
+    streams = Streams(f"{srv.v1}/chat/completions", {**STORY, "max_tokens": 400}, 3)
+    streams.wait_started()
+    os.kill(worker_pid(srv, "decode"), signal.SIGKILL)
+    killed = time.monotonic()
+    ends = streams.join()
+    assert all(e.error is not None for e in ends)
+    late = max(e.ended_at for e in ends) - killed
+    assert late < ERROR_WITHIN_S
+    r = wait_until("a request is served again", lambda: (r := chat(srv)).status_code == 200 and r, BACK_WITHIN_S,
+                   0.2)
+    assert r.json()["choices"][0]["message"]["content"]
+    back = time.monotonic() - killed
+    assert srv.proc.poll() is None
+    wait_until("every KV block is free again", lambda: pools_full(srv), 10, 0.2)
+    print(f"decode killed: 3/3 streams ended with an error event within {late:.2f} s; served again after {back:.1f} s")
+
+
+def timeout_aborts(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text  # /metrics does not renew the lease
+    found = re.search(r'^pdserve:aborts_total\{[^}]*origin="timeout"[^}]*\} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_silent_router_loses_its_requests_after_the_lease(server):
+    srv, _ = server
+    decode_url = router_health(srv)["decode"]["url"]
+    before = timeout_aborts(decode_url)
+    streams = Streams(f"{srv.v1}/chat/completions", {**STORY, "max_tokens": 2000}, 2)
+    streams.wait_started()
+    os.kill(srv.proc.pid, signal.SIGSTOP)  # the router (and the launcher): its connections stay open
+    stopped = time.monotonic()
+    try:
+        wait_until("the decode worker aborts both streams", lambda: timeout_aborts(decode_url) >= before + 2,
+                   LEASE_S + 5, 0.2)
+        took = time.monotonic() - stopped
+    finally:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    assert LEASE_S - 1.0 <= took < LEASE_S + 5  # its last probe came up to a probe interval (0.5 s) before
+    ends = streams.join()
+    assert all(e.error is not None for e in ends)
+    wait_until("every KV block is free again", lambda: pools_full(srv), 10, 0.2)
+    print(f"router stopped: its 2 requests aborted by the workers {took:.1f} s later (lease {LEASE_S:g} s)")
+
+
+def test_a_crash_loop_ends_serve_with_the_workers_error_in_one_line(server):
+    srv, link = server
+    link.unlink()  # every restart of a worker now fails at once, in its start-up check
+    os.kill(worker_pid(srv, "prefill"), signal.SIGKILL)
+    code = srv.proc.wait(timeout=60)
+    last = srv.log[-1]
+    assert code == 1
+    assert last.startswith("pdserve: the prefill worker keeps failing"), last
+    assert f"the model directory {link} does not exist" in last
+
+
+def test_tp_that_does_not_split_the_heads_is_one_line_in_under_3s():
+    started = time.monotonic()
+    proc = subprocess.run([*serve_command(), "--tp", "2", "--port", "0"], capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - started
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "pdserve serve: error: --tp 2 does not divide the 9 attention heads of the model (LlamaForCausalLM): "
+        "use a TP size that divides 9 (1, 3, 9)"]
+    assert took < 3.0

@@ -1,0 +1,88 @@
+"""The native CPU paged decode attention (csrc/cpu/attention_avx2.cpp) against the torch reference.
+
+Random caches and block tables (blocks shuffled, so a sequence's blocks are scattered and tables
+are padded), odd context lengths on and off block boundaries, GQA ratios 1, 3 and 8, head sizes
+that are and are not a multiple of the SIMD width, and queries that are a strided view (as the
+model passes them: the q heads of the fused qkv projection).
+
+Bound, and why: both sides compute in fp32 from the same inputs. A score differs by the
+rounding of a head_dim-term dot product, at most about head_dim * 2^-24 * sum|q_i k_i| * scale
+(≈ 4e-6 relative for head_dim 128); the softmax weights then differ by that much relative, and
+each output is a convex combination of value rows, so |Δout| <= (|Δscore| * 2 + context * 2^-24)
+* max|v|. With |q|, |k|, |v| ~ N(0, 1), head_dim <= 128 and contexts <= 300 that is < 1e-4;
+we allow atol 2e-4, rtol 1e-4 (observed: ≤ 3e-6).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve_kernels import attention, attention_cpu, cpu_lib
+
+pytestmark = pytest.mark.skipif(not cpu_lib.availability(), reason="native CPU kernels not built")
+
+
+def _case(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(per_seq) + 3
+    order = torch.randperm(num_blocks, generator=g)
+    width = max(per_seq) + 2  # padded rows, as the model runner pads them (with block 0)
+    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    used = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = order[used:used + n]
+        used += n
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    # q heads are a view into a wider row, like the q part of the fused qkv projection
+    qkv = torch.randn(len(lens), heads + 2 * kv_heads, head_dim, generator=g)
+    return qkv[:, :heads], k_cache, v_cache, tables
+
+
+CASES = [  # (context lengths, heads, kv_heads, head_dim, block_size)
+    ([1], 9, 3, 64, 16),
+    ([16, 17, 15, 33], 9, 3, 64, 16),       # on, after and before block boundaries
+    ([300, 1, 77], 8, 1, 128, 16),           # GQA 8:1, head_dim 128, long and single-token contexts
+    ([5, 40, 64, 65, 129], 4, 4, 40, 32),    # no GQA, head_dim not a multiple of 8 or 16
+    ([50, 3], 6, 2, 24, 7),                  # odd block size, chunks cut by block ends
+    ([200], 12, 4, 64, 256),                 # one block longer than a chunk of keys
+]
+
+
+@pytest.mark.parametrize("lens,heads,kv_heads,head_dim,block_size", CASES)
+def test_native_decode_attention_equals_the_torch_reference(lens, heads, kv_heads, head_dim, block_size):
+    q, k_cache, v_cache, tables = _case(lens, heads, kv_heads, head_dim, block_size, seed=sum(lens))
+    starts = list(range(len(lens) + 1))
+    scale = head_dim ** -0.5
+    want = attention.paged_attention(q, k_cache, v_cache, starts, lens, tables, scale)
+    got = attention_cpu.paged_attention_cpu(q, k_cache, v_cache, starts, lens, tables, scale)
+    assert got.shape == want.shape == (len(lens), heads, head_dim)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_threads_split_sequences_and_kv_heads_without_changing_the_result():
+    q, k_cache, v_cache, tables = _case([70, 9, 130], 9, 3, 64, 16, seed=7)
+    lens = torch.tensor([70, 9, 130])
+    one = cpu_lib.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, threads=1)
+    two = cpu_lib.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, threads=2)
+    assert torch.equal(one, two)  # each (sequence, KV head) is one thread's, summed in one order
+
+
+def test_prefill_chunks_and_other_dtypes_run_the_reference():
+    q, k_cache, v_cache, tables = _case([20, 7], 4, 2, 16, 16, seed=3)
+    q3 = torch.randn(3, 4, 16)  # 2 + 1 new tokens: a prefill chunk, not a decode batch
+    want = attention.paged_attention(q3, k_cache, v_cache, [0, 2, 3], [20, 7], tables, 0.25)
+    got = attention_cpu.paged_attention_cpu(q3, k_cache, v_cache, [0, 2, 3], [20, 7], tables, 0.25)
+    assert torch.equal(got, want)
+    qb, kb, vb = q.to(torch.bfloat16), k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    got = attention_cpu.paged_attention_cpu(qb, kb, vb, [0, 1, 2], [20, 7], tables, 0.25)
+    assert torch.equal(got, attention.paged_attention(qb, kb, vb, [0, 1, 2], [20, 7], tables, 0.25))
+
+
+def test_bad_arguments_are_a_clear_error():
+    q, k_cache, v_cache, tables = _case([4], 4, 2, 16, 16, seed=1)
+    with pytest.raises(RuntimeError, match="bad arguments"):
+        cpu_lib.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([0]), 0.25)
+    with pytest.raises(ValueError, match="int64 block tables"):
+        cpu_lib.paged_decode_attention(q, k_cache, v_cache, tables.int(), torch.tensor([4]), 0.25)
