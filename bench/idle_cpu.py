@@ -7,6 +7,7 @@ process, its threads that ran or woke noticeably: CPU (the scheduler's clock) an
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -49,6 +50,7 @@ def main() -> int:
     p.add_argument("--window", type=float, default=60.0)
     p.add_argument("--settle", type=float, default=10.0)
     p.add_argument("--port", type=int, default=8766)
+    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "idle-cpu.json")
     args = p.parse_args()
     proc = start_serve(args.port, args.tp, ["--mode", args.mode] if args.mode != "pd" else [])
     try:
@@ -64,9 +66,11 @@ def main() -> int:
     finally:
         stop_serve(proc)
     total = 0.0
+    report = []
     for q in pids:
         used = after[q] - before[q]
         total += used
+        report.append({"pid": q, "command": names[q], "share_of_core": used / args.window})
         print(f"{used / args.window:7.2%}  pid {q}  {names[q]}")
         for tid, (name, ran, wakes) in sorted(after_threads[q].items()):
             _, ran0, wakes0 = before_threads[q].get(tid, (name, 0.0, 0))
@@ -75,6 +79,11 @@ def main() -> int:
                       f"  thread {name}")
     print(f"total: {total:.2f} CPU-s over {args.window:.0f} s = {total / args.window:.2%} of one core "
           f"({len(pids)} processes)")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"tp": args.tp, "mode": args.mode, "window_s": args.window,
+                                    "load_average": os.getloadavg(), "total_share_of_core": total / args.window,
+                                    "target_share_of_core": 0.01, "processes": report}, indent=2))
+    print(f"wrote {args.out}")
     return 0
 
 
