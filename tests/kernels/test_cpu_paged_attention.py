@@ -19,7 +19,6 @@ import torch
 
 from pdserve_kernels import attention, attention_cpu, cpu_lib
 
-pytestmark = pytest.mark.skipif(not cpu_lib.availability(), reason="native CPU kernels not built")
 
 
 def _case(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int):

@@ -12,7 +12,6 @@ import torch
 
 from pdserve_kernels import cpu_lib, norm
 
-pytestmark = pytest.mark.skipif(not cpu_lib.availability(), reason="native CPU kernels not built")
 
 
 @pytest.mark.parametrize("rows,dim", [(1, 576), (3, 64), (8, 577), (17, 2048), (5, 7)])
