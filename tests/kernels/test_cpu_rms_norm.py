@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve_kernels import cpu_lib, norm
+from pdserve_kernels import norm
 
 
 
