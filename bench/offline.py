@@ -15,6 +15,9 @@ The batch-1 decode step is set against the memory roofline (bytes of weights rea
 (comma-separated, e.g. paged_attention,rms_norm) runs every engine repeat twice, alternating:
 once with those ops of `pdserve_kernels` bound to their torch references (before), once as
 chosen (after), so both see the same background load; each batch prints both and the ratio.
+`--overlap` instead compares the plain loop with the overlapped one (docs/overlap.md): the
+median decode step and its parts from the loop's own timers (forward, plan = observe + agree +
+plan + broadcast, apply, the wait for the forward, and this script's output handling).
 """
 from __future__ import annotations
 
@@ -189,6 +192,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="alternate each engine run with these ops (comma-separated) on their torch "
                         "references (before) and as chosen (after)")
     p.add_argument("--quick", action="store_true", help="smoke run: batches 1,4; 16 in, 8 out")
+    p.add_argument("--overlap", action="store_true",
+                   help="compare the plain loop with the overlapped one (no transformers run)")
     args = p.parse_args(argv)
     if args.quick:  # smaller defaults; flags given explicitly still win
         p.set_defaults(batch_sizes=[1, 4], input_len=16, output_len=8)
@@ -207,8 +212,75 @@ def kv_bytes(model_dir: Path, seqs: int, tokens: int, block: int) -> int:
     return max(256 << 20, int(1.25 * seqs * (tokens + 2 * block) * per_token))
 
 
+def overlap_steps(engine, prompts: list[list[int]], output_len: int, tag: str) -> dict[str, float]:
+    """Medians over the decode steps of one batch (ms): the step as the caller sees it, and
+    its parts from the loop's timers. Only steps where every request decodes count."""
+    from pdserve.engine.sampling_params import SamplingParams
+
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", ids, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    loop, rows, seen, last = engine.loop, [], 0, time.perf_counter()
+    t0 = last
+    with torch.inference_mode():
+        while engine.has_work():
+            _, outs = engine.step()
+            s = time.perf_counter()
+            tokens = [o.token_id for o in outs if o.token_id is not None]  # the output handling
+            seen += len(tokens)
+            now = time.perf_counter()
+            if seen >= len(prompts) and len(tokens) == len(prompts):  # a full decode step
+                rows.append({"step_ms": now - last, "forward_ms": loop.forward_s, "plan_ms": loop.plan_s,
+                             "apply_ms": loop.apply_s, "wait_ms": loop.wait_s, "output_ms": now - s})
+            last = now
+    wall = time.perf_counter() - t0
+    out = {k: 1e3 * statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
+    out.update(tok_s=seen / wall, decode_steps=len(rows))
+    return out
+
+
+def overlap_main(args: argparse.Namespace) -> int:
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.models import read_config
+    from pdserve.weights import resolve_model_path
+
+    torch.set_num_threads(args.threads)
+    model_dir = resolve_model_path(args.model)
+    print(f"{load_average()}; threads={args.threads}; model={model_dir}", flush=True)
+    most = max(args.batch_sizes)
+    vocab = read_config(model_dir)["vocab_size"]
+    engines = {}
+    for on in (False, True):
+        engines[on] = LLMEngine(EngineConfig(
+            model=args.model, threads=args.threads, kernels=args.kernels, quantization=args.quantization,
+            max_num_seqs=most, max_num_batched_tokens=args.max_num_batched_tokens, overlap=on,
+            kv_cache_memory=kv_bytes(model_dir, most, args.input_len + args.output_len, 16)))
+        overlap_steps(engines[on], make_prompts(2, 8, min(vocab, 300), 999), 4, f"warm{on}")
+    cells = []
+    for b in args.batch_sizes:
+        prompts = make_prompts(b, args.input_len, vocab, args.seed + b)
+        for r in range(args.repeats):  # alternate, so both see the same background load
+            for on in (False, True):
+                cells.append({"batch": b, "overlap": on, "repeat": r,
+                              **overlap_steps(engines[on], prompts, args.output_len, f"b{b}r{r}{on}")})
+    keys = ["step_ms", "forward_ms", "plan_ms", "apply_ms", "wait_ms", "output_ms", "tok_s"]
+    print(f"\noverlap off/on: {args.input_len} in / {args.output_len} out, greedy, threads={args.threads}, "
+          "medians of decode steps (ms)")
+    print(table(["batch", "overlap", *keys],
+                [[c["batch"], "on" if c["overlap"] else "off", *(f"{c.get(k, math.nan):.3f}" for k in keys)]
+                 for c in cells]))
+    for on in engines.values():
+        on.close()
+    write_json(args.out, {"benchmark": "offline-overlap", "args": _plain(vars(args)), "model_dir": str(model_dir),
+                          "environment": environment(), "cells": cells})
+    print(f"wrote {args.out}; end: {load_average()}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.overlap:
+        return overlap_main(args)
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm import LLM
     from pdserve.models import read_config

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import functools
 
-from . import attention, attention_cpu, attention_cuda, cpu_lib, norm, quant
+from . import attention, attention_cpu, attention_cuda, cpu_lib, decode_layer, norm, quant
 from .dispatch import (Availability, Backend, KernelsUnavailable, Selection, configure, current,
                        register, register_library, select)
 
 __all__ = ["Availability", "Backend", "KernelsUnavailable", "Selection", "backend_name", "configure",
-           "current", "gather_kv", "paged_attention", "qmatmul", "register", "register_library", "rms_norm",
+           "current", "decode_attention_block", "decode_mlp_block", "gather_kv", "is_native",
+           "paged_attention", "qmatmul", "qmatmul_packed", "register", "register_library", "rms_norm",
            "select", "store_kv"]
 
 gather_kv = attention.gather_kv
@@ -31,6 +32,19 @@ paged_attention = register("paged_attention", attention.paged_attention,
 rms_norm = register("rms_norm", norm.rms_norm, cpu=norm.rms_norm_cpu)
 qmatmul = register("qmatmul", functools.partial(quant.qmatmul, force="torch"),
                    cpu=functools.partial(quant.qmatmul, force="native"))
+# the same product through a Q4 matrix repacked for the int16-activation path (batch-1 decode)
+qmatmul_packed = register("qmatmul_packed", quant.qmatmul_packed_reference, cpu=quant.qmatmul_packed_cpu)
+# a decoder layer's decode step as two fused calls (models use them only when `is_native`)
+decode_attention_block = register("decode_attention_block", decode_layer.decode_attention_block,
+                                  cpu=decode_layer.decode_attention_block_cpu)
+decode_mlp_block = register("decode_mlp_block", decode_layer.decode_mlp_block,
+                            cpu=decode_layer.decode_mlp_block_cpu)
+
+
+def is_native(op) -> bool:
+    """Whether `op` (one of this module's ops) runs a native variant in this process: layers use
+    a fused op only then, and keep their op-by-op path (each op its own choice) otherwise."""
+    return op.impl is not None and op.impl is not op.reference
 
 
 def backend_name() -> str:

@@ -1,5 +1,6 @@
-"""Build, cache and load libpdserve_cpu.so (csrc/cpu/: quantized matmuls, AVX2 and AVX-512 VNNI;
-paged decode attention and fused residual add + RMSNorm, AVX2).
+"""Build, cache and load libpdserve_cpu.so (csrc/cpu/: quantized matmuls, AVX2 and AVX-512 VNNI,
+and the packed int16 decode GEMV, AVX-512; paged decode attention, fused residual add + RMSNorm,
+RoPE and SwiGLU, AVX2; the fused decode blocks of a decoder layer).
 
 `make setup` builds it (`python -m pdserve_kernels.cpu_lib`); a process that finds no build for
 the current sources builds it on first use (seconds, the system C++ compiler, nothing fetched).
@@ -32,7 +33,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LIB_NAME = "libpdserve_cpu.so"
-ABI_VERSION = 5
+ABI_VERSION = 7
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-DNDEBUG")
 UNIT_FLAGS: dict[str, tuple[str, ...]] = {
@@ -42,6 +43,10 @@ UNIT_FLAGS: dict[str, tuple[str, ...]] = {
                          "-mavx512dq", "-mavx512vnni"),
     "attention_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
     "norm_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
+    "layer_ops_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
+    "qgemv_packed_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                                "-mavx512dq"),
+    "decode_block.cpp": (),
 }
 ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
 ISA_NAMES = {1: "avx2", 2: "avx512"}
@@ -137,6 +142,15 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
                                                    ctypes.c_float, _P, _I]
     lib.pds_cpu_add_rms_norm.restype = _I
     lib.pds_cpu_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
+    lib.pds_cpu_decode_attention_block.restype = _I
+    lib.pds_cpu_decode_attention_block.argtypes = [_P, _P, _P, ctypes.c_float, _I, _P, _P, _P, _I, _P, _P,
+                                                   _P, _P, _P, _P, _P, _P, _P, _I64, _P, *[_I64] * 6,
+                                                   ctypes.c_float, _P, _I, _I]
+    lib.pds_cpu_decode_mlp_block.restype = _I
+    lib.pds_cpu_decode_mlp_block.argtypes = [_P, _P, _P, ctypes.c_float, _I, _P, _P, _P, _I, _P, _P, _P,
+                                             _I64, _I64, _I64, _P, _I, _I]
+    lib.pds_cpu_qmatmul_packed.restype = _I
+    lib.pds_cpu_qmatmul_packed.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _I]
     if lib.pds_cpu_abi_version() != ABI_VERSION:
         return None, Availability(False, f"{path}: ABI {lib.pds_cpu_abi_version()}, need {ABI_VERSION}")
     isa = lib.pds_cpu_isa(0)
@@ -238,6 +252,77 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                                       threads or torch.get_num_threads())
     if status:
         raise RuntimeError(f"pds_cpu_add_rms_norm: status {status} (shape {tuple(x.shape)})")
+    return out
+
+
+def packed_supported() -> bool:
+    """Whether the packed int16-activation path (AVX-512) runs here and is not forced off
+    ($PDSERVE_CPU_ISA=avx2 forces the AVX2 kernels everywhere)."""
+    return default_isa() != "avx2" and isa_supported("avx512")
+
+
+def qmatmul_packed(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, n: int, k: int,
+                   threads: int | None = None) -> torch.Tensor:
+    """y[M, n] = x[M, k] @ W^T for W packed by `pdserve_kernels.quant.packed.pack_q4` (AVX-512;
+    activations rounded to int16 per block of 32)."""
+    lib = _loaded()
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    status = lib.pds_cpu_qmatmul_packed(x.data_ptr(), x.shape[0], k, qs.data_ptr(), dm.data_ptr(), n,
+                                        y.data_ptr(), threads or torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"pds_cpu_qmatmul_packed: {'AVX-512 unavailable' if status == 1 else 'bad arguments'} "
+                           f"(M {x.shape[0]}, K {k}, N {n})")
+    return y
+
+
+def _packed_ptrs(packed) -> tuple[int | None, int | None]:
+    return (None, None) if packed is None else (packed[0].data_ptr(), packed[1].data_ptr())
+
+
+def decode_attention_block(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                           qkv_fmt: int, qkv_w: torch.Tensor, o_fmt: int, o_w: torch.Tensor,
+                           cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, heads: int,
+                           kv_heads: int, scale: float, out: torch.Tensor, qkv_packed=None, o_packed=None,
+                           isa: str | None = None, threads: int | None = None) -> torch.Tensor:
+    """The attention half of a decoder layer for B decode tokens in one call (csrc/cpu/
+    decode_block.cpp): `x += residual`, RMSNorm, qkv, RoPE, KV store, paged attention, o_proj into
+    `out` [B, hidden]. The caller guarantees the layouts (`pdserve_kernels.decode_layer` checks
+    them): contiguous fp32 x/residual/out/cos/sin/caches, uint8 weight blocks, int64 slots,
+    tables (rows contiguous) and lens. `*_packed`: (qs, dm) of `pack_q4` to multiply by instead
+    of the blocks (AVX-512), or None."""
+    lib = _loaded()
+    B, hidden = x.shape
+    _, block_size, _, head_dim = k_cache.shape
+    status = lib.pds_cpu_decode_attention_block(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), norm_w.data_ptr(), eps, qkv_fmt,
+        qkv_w.data_ptr(), *_packed_ptrs(qkv_packed), o_fmt, o_w.data_ptr(), *_packed_ptrs(o_packed),
+        cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+        v_cache.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), B,
+        hidden, heads, kv_heads, head_dim, block_size, scale, out.data_ptr(), ISAS[isa or default_isa()],
+        threads or torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"pds_cpu_decode_attention_block: status {status} (B {B}, hidden {hidden}, "
+                           f"heads {heads}, kv_heads {kv_heads}, head_dim {head_dim})")
+    return out
+
+
+def decode_mlp_block(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                     gu_fmt: int, gu_w: torch.Tensor, down_fmt: int, down_w: torch.Tensor, inter: int,
+                     out: torch.Tensor, gu_packed=None, down_packed=None, isa: str | None = None,
+                     threads: int | None = None) -> torch.Tensor:
+    """The MLP half of a decoder layer in one call: `x += residual`, RMSNorm, gate/up, SwiGLU,
+    down into `out` [B, hidden] (layouts as in `decode_attention_block`)."""
+    lib = _loaded()
+    B, hidden = x.shape
+    status = lib.pds_cpu_decode_mlp_block(
+        x.data_ptr(), None if residual is None else residual.data_ptr(), norm_w.data_ptr(), eps, gu_fmt,
+        gu_w.data_ptr(), *_packed_ptrs(gu_packed), down_fmt, down_w.data_ptr(), *_packed_ptrs(down_packed), B,
+        hidden, inter, out.data_ptr(),
+        ISAS[isa or default_isa()], threads or torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"pds_cpu_decode_mlp_block: status {status} (B {B}, hidden {hidden}, inter {inter})")
     return out
 
 

@@ -47,6 +47,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "available, else torch); the choice is logged at start-up")
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="recompute every prompt instead of reusing cached KV blocks of shared prefixes")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=d.overlap,
+                   help="plan, agree and poll transfers for the next step while the forward runs on "
+                        "its own thread (docs/overlap.md; default off: --no-overlap is the plain loop)")
     p.add_argument("--host-cache-memory", type=_bytes, default=0,
                    help="host memory per rank for cached KV blocks evicted from the pool, e.g. 1GiB "
                         "(a second prefix cache tier; default 0: none)")
@@ -67,7 +70,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         nvfp4_mode=args.nvfp4_mode,
                         index_cache_dtype=args.index_cache_dtype, quantization=args.quantization,
                         prefix_cache=getattr(args, "prefix_cache", True),
-                        host_cache_memory=getattr(args, "host_cache_memory", 0) or 0)
+                        host_cache_memory=getattr(args, "host_cache_memory", 0) or 0,
+                        overlap=getattr(args, "overlap", False))
 
 
 def _default_threads(args: argparse.Namespace) -> int:

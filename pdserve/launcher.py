@@ -16,7 +16,9 @@ before any worker starts, in one line, exit 2: pdserve.preflight).
 While serving, `serve` supervises its workers (pdserve.supervisor, docs/supervision.md): a
 worker that exits is restarted whole (a new process group, the same port, a new worker id)
 after a delay that doubles while it keeps failing, and the router takes it back into rotation
-when it answers again; requests that need it wait in the admission queue meanwhile. A crash
+when it answers again; requests that need it wait in the admission queue meanwhile. Once no
+process of the dead worker is left (`end_group`), its peers are told through the router, and
+fail the rooms they shared with it at once (their KV blocks come back). A crash
 loop ends serve with the worker's last error as one line (exit 1); the router drains first, so
 every stream ends with [DONE] or an error event.
 """
@@ -130,9 +132,11 @@ class Verdict:
 
 
 def supervise(slots: list[Slot], s: Supervision, now: float,
-              on_down: Callable[[str, bool], None] = lambda url, back: None) -> Verdict | None:
+              on_down: Callable[[str, bool], None] = lambda url, back: None,
+              on_dead: Callable[[str, str], object] = lambda url, why: None) -> Verdict | None:
     """One look at every worker: restart those due, decide about those that exited. `on_down(url,
-    coming_back)` tells the router a worker is down and whether it will be back."""
+    coming_back)` tells the router a worker is down and whether it will be back; `on_dead(url,
+    why)`, once no rank of it is left, that its peers may fail the rooms they share with it."""
     for slot in slots:
         if slot.restart_at is not None:
             if now >= slot.restart_at:
@@ -143,6 +147,8 @@ def supervise(slots: list[Slot], s: Supervision, now: float,
             continue
         time.sleep(0.05)  # let the relay catch its last lines
         error = last_error(slot.child.tail) or f"the {slot.name} worker {describe_exit(code)}"
+        if end_group(slot.child):  # every rank is gone: nothing of it can write a peer's blocks any more
+            on_dead(slot.child.url, f"the {slot.name} worker {describe_exit(code)}")
         decision = decide(s, code, slot.started_at, now, slot.history)
         if decision.restart:
             logger.error("the %s worker %s; restarting it in %.1f s (restart %d). Its last output:\n%s",
@@ -227,6 +233,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
             flags += [f"--{name.replace('_', '-')}", str(value)]
     if getattr(args, "prefix_cache", True) is False:
         flags.append("--no-prefix-cache")
+    if getattr(args, "overlap", None) is not None:
+        flags.append("--overlap" if args.overlap else "--no-overlap")
     return flags
 
 
@@ -363,6 +371,48 @@ def stop_children(children: list[Child], grace_s: float = STOP_GRACE_S) -> None:
             logger.error("%s worker (pid %d) survived SIGKILL", child.name, child.proc.pid)
 
 
+GROUP_GONE_S = 2.0  # how long a SIGKILLed rank may take to be gone (it never blocks in the kernel that long)
+
+
+def end_group(child: Child, timeout_s: float = GROUP_GONE_S) -> bool:
+    """Its rank 0 exited: SIGKILL the ranks left in its process group and wait until none is
+    alive (a zombie writes nothing). True once the group is empty: proof that no process of
+    that worker can touch a peer's KV blocks any more."""
+    _signal_group(child, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = group_members(child.proc.pid)
+        if not alive:
+            return True
+        if time.monotonic() > deadline:
+            logger.warning("the %s worker's ranks %s outlived SIGKILL for %.1f s; its peers are not told it died",
+                           child.name, alive, timeout_s)
+            return False
+        time.sleep(0.01)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group `pgid`, from /proc (elsewhere: the
+    group, as one, while the kernel still knows it)."""
+    if not Path("/proc/self/stat").exists():
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except ProcessLookupError:
+            return []
+        except PermissionError:
+            return [pgid]
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # it exited meanwhile
+        if int(fields[2]) == pgid and fields[0] not in ("Z", "X"):
+            out.append(int(stat.parent.name))
+    return out
+
+
 def _signal_group(child: Child, sig: signal.Signals) -> None:
     try:
         os.killpg(child.proc.pid, sig)
@@ -402,7 +452,7 @@ async def _serve_router(config: RouterConfig, host: str, port: int, slots: list[
     verdict = None
     while not task.done():
         exited.clear()
-        verdict = supervise(slots, supervision, time.monotonic(), pool.expect_back)
+        verdict = supervise(slots, supervision, time.monotonic(), pool.expect_back, pool.peer_dead)
         if verdict is not None:
             # the router drains as on SIGTERM: every stream ends with [DONE] or an error event
             server.handle_exit(signal.SIGTERM, None)
@@ -524,6 +574,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "blocks on a CPU; none: fp32)")
     e.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="the workers recompute every prompt (no reuse of cached prefix blocks)")
+    e.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="the workers plan the next step while the forward runs (docs/overlap.md)")
     e.add_argument("--host-cache-memory", default=None,
                    help="host memory per worker rank for evicted cached KV blocks, e.g. 1GiB")
     e.add_argument("--worker-arg", action="append", default=[], metavar="ARG",

@@ -214,6 +214,7 @@ class GenerateRequest(_Message):
     params: SamplingParams = Field(default_factory=SamplingParams)
     prefill_url: str | None = None         # decode role: the prefill worker the router will call
     prefill_worker_id: str | None = None   # decode role (required): its /info worker_id
+    prefill_incarnation: str | None = None  # its /info incarnation: a late /peers/dead for an older one spares this room
 
 
 class Room(_Message):
@@ -270,6 +271,7 @@ class DecodeTarget(_Message):
     worker_id: str
     decode_url: str
     blocks: list[int]
+    incarnation: str | None = None  # the decode worker's /info incarnation (see /peers/dead)
 
 
 class PrefillRequest(_Message):
@@ -302,6 +304,25 @@ class AbortResult(_Message):
     aborted: bool  # it ran here and this call counted its abort
 
 
+# ---- /peers/dead ----------------------------------------------------------------------------
+
+
+class PeerDead(_Message):
+    """POST /peers/dead: the worker `worker_id` (process `incarnation`) is dead, every one of
+    its ranks (its supervisor saw them exit). The rooms this worker shares with it fail and are
+    fenced at once. With `incarnation`, only rooms made for that process (a restarted worker
+    with the same id keeps its new rooms); without, every room of the id."""
+
+    worker_id: str = Field(min_length=1)
+    incarnation: str | None = None
+    reason: str = "the peer worker died"
+
+
+class PeerDeadResult(_Message):
+    ok: bool = True
+    rooms: int  # rooms shared with that process, settled now: open ones fail, all are fenced (repeated: 0)
+
+
 # ---- probes ---------------------------------------------------------------------------------
 
 
@@ -326,6 +347,7 @@ class Info(_Message):
     tp: int
     eos_token_ids: list[int]
     max_num_seqs: int = 0   # most requests it runs at once (0: not reported); the router's admission
+    incarnation: str = ""   # random per process start: a restarted worker with the same worker_id differs
 
 
 class Load(_Message):
@@ -367,4 +389,5 @@ ENDPOINTS = (
     Endpoint("POST", "/generate", GenerateRequest, (RoomLine, Room, TokenLine, TokenLogprob)),
     Endpoint("POST", "/prefill", PrefillRequest, (DecodeTarget, PrefillDone)),
     Endpoint("POST", "/abort", AbortRequest, (AbortResult,)),
+    Endpoint("POST", "/peers/dead", PeerDead, (PeerDeadResult,)),
 )

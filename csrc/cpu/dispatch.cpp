@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "dispatch.h"
 #include "norm.h"
 #include "qgemm.h"
 
@@ -30,6 +31,8 @@ bool has_avx512() {
          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
+}  // namespace
+
 const Kernels* pick(int isa) {
   switch (isa) {
     case ISA_AUTO: return has_avx512() ? &kAvx512 : has_avx2() ? &kAvx2 : nullptr;
@@ -39,14 +42,72 @@ const Kernels* pick(int isa) {
   }
 }
 
+void qmatmul_f32(const Kernels* k, int fmt, const float* x, int64_t M, int64_t K, const uint8_t* w,
+                 int64_t N, float* y, int threads) {
+  if (M >= k->panel_min_rows) {
+    const int64_t panels = (N + NR - 1) / NR;
+    const int team = std::max(1, std::min<int>(threads, static_cast<int>(panels)));
+#pragma omp parallel num_threads(team)
+    {
+      std::vector<float> panel(K * NR);
+#pragma omp for schedule(static)
+      for (int64_t p = 0; p < panels; ++p) {
+        const int rows = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
+        k->gemm_f32(fmt, x, M, K, w, p * NR, rows, panel.data(), y, N);
+      }
+    }
+    return;
+  }
+  const int64_t chunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
+  const int team = std::max(1, std::min<int>(threads, static_cast<int>(chunks)));
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t n0 = c * kRowsPerChunk, n1 = std::min(N, n0 + kRowsPerChunk);
+    k->gemm_dot(fmt, x, M, K, w, y, N, n0, n1);
+  }
+}
+
+namespace {
+
+// Activations of an int16-path call, prepared once for all N rows (thread_local: reused).
+struct Int16Act {
+  const int16_t* a;
+  const float* da;
+  const float* xs;
+};
+
+Int16Act prepare_int16(const float* x, int64_t M, int64_t K, int64_t nbp) {
+  thread_local std::vector<int16_t> a;
+  thread_local std::vector<float> scales;
+  if (static_cast<int64_t>(a.size()) < M * nbp * 32) a.resize(M * nbp * 32);
+  if (static_cast<int64_t>(scales.size()) < 2 * M * nbp) scales.resize(2 * M * nbp);
+  float* da = scales.data();
+  float* xs = da + M * nbp;
+  packed_prepare_avx512(x, M, K, nbp, a.data(), da, xs);
+  return Int16Act{a.data(), da, xs};
+}
+
 }  // namespace
+
+void qmatmul_packed(const PackedQ4& w, const float* x, int64_t M, int64_t K, int64_t N, float* y,
+                    int threads) {
+  const Int16Act act = prepare_int16(x, M, K, w.nbp);
+  const int64_t chunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
+  const int team = std::max(1, std::min<int>(threads, static_cast<int>(chunks)));
+#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t n0 = c * kRowsPerChunk, n1 = std::min(N, n0 + kRowsPerChunk);
+    packed_gemv_avx512(w, act.a, act.da, act.xs, M, y, N, n0, n1);
+  }
+}
+
 }  // namespace pds_cpu
 
 using namespace pds_cpu;
 
 extern "C" {
 
-__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 5; }
+__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 7; }
 
 // The instruction set `isa` (0 auto) resolves to on this CPU: 1 AVX2, 2 AVX-512 VNNI, 0 none.
 __attribute__((visibility("default"))) int pds_cpu_isa(int isa) {
@@ -64,28 +125,8 @@ __attribute__((visibility("default"))) int pds_cpu_qmatmul(int fmt, const float*
   if (k == nullptr) return 1;
   if (fmt < Q4_0 || fmt > Q8_0 || M < 0 || N < 0 || K <= 0 || K % QK || path < 0 || path > 2) return 2;
   if (M == 0 || N == 0) return 0;
-  if (path != PATH_INT8 && M >= k->panel_min_rows) {
-    const int64_t panels = (N + NR - 1) / NR;
-    const int team = std::max(1, std::min<int>(threads, static_cast<int>(panels)));
-#pragma omp parallel num_threads(team)
-    {
-      std::vector<float> panel(K * NR);
-#pragma omp for schedule(static)
-      for (int64_t p = 0; p < panels; ++p) {
-        const int rows = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
-        k->gemm_f32(fmt, x, M, K, w, p * NR, rows, panel.data(), y, N);
-      }
-    }
-    return 0;
-  }
   if (path != PATH_INT8) {
-    const int64_t chunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
-    const int team = std::max(1, std::min<int>(threads, static_cast<int>(chunks)));
-#pragma omp parallel for num_threads(team) schedule(static)
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t n0 = c * kRowsPerChunk, n1 = std::min(N, n0 + kRowsPerChunk);
-      k->gemm_dot(fmt, x, M, K, w, y, N, n0, n1);
-    }
+    qmatmul_f32(k, fmt, x, M, K, w, N, y, threads);
     return 0;
   }
   const int64_t nb = K / QK;
@@ -108,6 +149,20 @@ __attribute__((visibility("default"))) int pds_cpu_qmatmul(int fmt, const float*
       }
     }
   }
+  return 0;
+}
+
+// y[M][N] = x[M][K] . W^T for W a Q4_0/Q4_1 matrix packed for the int16-activation path
+// (qgemv_packed.h: qs [N][nbp * 16], dm [N][2 * nbp]). AVX-512 only. Returns 0, 1 when AVX-512
+// is unavailable, 2 for bad arguments.
+__attribute__((visibility("default"))) int pds_cpu_qmatmul_packed(const float* x, int64_t M, int64_t K,
+                                                                  const uint8_t* qs, const float* dm,
+                                                                  int64_t N, float* y, int threads) {
+  if (pick(ISA_AVX512) == nullptr) return 1;
+  if (M < 0 || N < 0 || K <= 0 || K % QK) return 2;
+  if (M == 0 || N == 0) return 0;
+  const int64_t nb = K / QK;
+  qmatmul_packed(PackedQ4{qs, dm, nb + nb % 2}, x, M, K, N, y, threads);
   return 0;
 }
 

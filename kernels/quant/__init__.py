@@ -1,4 +1,5 @@
-"""Block-quantized weights (GGUF Q4_0, Q4_1, Q8_0): formats, torch references, native matmul.
+"""Block-quantized weights (GGUF Q4_0, Q4_1, Q8_0): formats, torch references, native matmul,
+and the Q4 packing of the batch-1 decode path (packed.py).
 
 Each op has a `torch` implementation (the reference, any device) and a `native` one (the
 AVX2 / AVX-512 VNNI kernels of csrc/cpu/, CPU only); `qmatmul` picks native when the library is
@@ -11,12 +12,14 @@ import torch
 
 from .. import cpu_lib
 from .formats import BLOCK, FORMATS, Q4_0, Q4_1, Q8_0, BlockFormat, block_format
+from .packed import PackedQ4, pack_q4, packable
 from .reference import (dequantize, qmatmul_emulated, qmatmul_torch, quantize,
                         quantize_activations)
 
-__all__ = ["BLOCK", "FORMATS", "Q4_0", "Q4_1", "Q8_0", "BlockFormat", "block_format", "dequantize",
-           "native_available", "qmatmul", "qmatmul_emulated", "qmatmul_native", "qmatmul_torch",
-           "quantize", "quantize_activations"]
+__all__ = ["BLOCK", "FORMATS", "PACKED_MAX_ROWS", "Q4_0", "Q4_1", "Q8_0", "BlockFormat", "PackedQ4",
+           "block_format", "dequantize", "native_available", "pack_q4", "packable", "qmatmul",
+           "qmatmul_emulated", "qmatmul_native", "qmatmul_packed_cpu", "qmatmul_packed_reference",
+           "qmatmul_torch", "quantize", "quantize_activations"]
 
 
 def native_available() -> bool:
@@ -28,6 +31,10 @@ def native_available() -> bool:
 # and multiplied by torch's fp32 GEMM: faster than either quantized path at that size.
 GEMM_MIN_ROWS = 64
 GEMM_SLICE = 4096
+# Up to this many rows a packed matrix (AVX-512) takes the int16-activation path: its cost grows
+# with the rows (no dequantized block is shared between them), so at 3+ rows the fp32 dot path,
+# which decodes each block once for 4 rows, is as fast (measured: 2.6x at 1 row, 1.2x at 2).
+PACKED_MAX_ROWS = 2
 
 
 def qmatmul_native(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, isa: str | None = None,
@@ -47,6 +54,22 @@ def qmatmul_native(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, isa: st
             torch.matmul(x, w.T, out=y[:, start:stop])
         return y
     return cpu_lib.qmatmul(fmt.code, x, raw, n, k, isa, threads, "f32" if path == "auto" else path)
+
+
+def qmatmul_packed_reference(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, packed: PackedQ4
+                             ) -> torch.Tensor:
+    """`qmatmul_packed`'s reference: the packing changes nothing but speed, so it is the
+    reference of the blocks (`packed` unused)."""
+    return qmatmul(x, raw, fmt, force="torch")
+
+
+def qmatmul_packed_cpu(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, packed: PackedQ4
+                       ) -> torch.Tensor:
+    """y = x W^T through the packed copy of W (the int16-activation path, AVX-512), any leading
+    dims, in x's dtype. Callers use it for up to PACKED_MAX_ROWS rows."""
+    lead, k = x.shape[:-1], x.shape[-1]
+    y = cpu_lib.qmatmul_packed(x.reshape(-1, k).to(torch.float32), packed.qs, packed.dm, raw.shape[0], k)
+    return y.reshape(*lead, raw.shape[0]).to(x.dtype)
 
 
 def qmatmul(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, force: str | None = None

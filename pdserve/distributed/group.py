@@ -35,6 +35,13 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """`x` of rank `src` on every rank (in place)."""
+        if self.size > 1:
+            self.trace.record("broadcast_tokens")
+            dist.broadcast(x, src=src, group=self.group)
+        return x
+
     def shard(self, n: int) -> tuple[int, int]:
         """This rank's [start, stop) of `n` items split evenly (n must divide)."""
         if n % self.size:

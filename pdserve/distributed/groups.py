@@ -4,7 +4,11 @@ collectives, and on CPU the model's too; on GPU the model's collectives get thei
 One gloo group, not two: every gloo group runs a TCP loop thread that wakes about every 10 ms
 even when nothing is sent (≈0.15 % of a core each, measured), which an idle worker should not
 pay twice per rank (docs/liveness.md). Sharing is safe: every collective is synchronous and
-every rank issues them in the same order (the lockstep plan's)."""
+every rank issues them in the same order (the lockstep plan's).
+
+With overlap (docs/overlap.md) the model's collectives run on a forward thread while the loop
+thread agrees and broadcasts: then they get a gloo group of their own, since two threads'
+collectives on one group would pair up differently on each rank."""
 from __future__ import annotations
 
 from datetime import timedelta
@@ -19,7 +23,7 @@ from .trace import CollectiveTrace
 
 def init_tp(rank: int, size: int, port: int, device: str = "cpu", timeout_s: float = 60.0,
             trace: CollectiveTrace | None = None, host: str = LOOPBACK,
-            init_timeout_s: float | None = None) -> tuple[TPGroup, GroupComm]:
+            init_timeout_s: float | None = None, overlap: bool = False) -> tuple[TPGroup, GroupComm]:
     """Join the TP group of `size` ranks rendezvousing on `host`:`port` (rank 0 listens there,
     on every interface). Ranks wait up to `init_timeout_s` (default `timeout_s`) for each other:
     on several machines they start at different times; every collective after that gives up
@@ -33,7 +37,12 @@ def init_tp(rank: int, size: int, port: int, device: str = "cpu", timeout_s: flo
         import torch
 
         torch.cuda.set_device(device)  # NCCL binds each rank's communicator to the current GPU
-    model_group = dist.new_group(backend=backend) if backend != "gloo" else dist.group.WORLD
+    if backend != "gloo":
+        model_group = dist.new_group(backend=backend)
+    elif overlap:  # every rank asks for it (the flag is the worker's), in the same order
+        model_group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+    else:
+        model_group = dist.group.WORLD
     control = dist.group.WORLD
     trace = trace or CollectiveTrace()
     return TPGroup(rank, size, model_group, trace), GroupComm(rank, size, control, trace=trace)

@@ -18,3 +18,14 @@ class CollectiveTrace:
 
     def digest(self) -> str:
         return f"{self.count}:{self._hash.hexdigest()}"
+
+
+class Traces:
+    """Several traces read as one digest: with overlap, the model's collectives (forward
+    thread) and the loop's (loop thread) are recorded apart, each in its own thread's order."""
+
+    def __init__(self, *traces: CollectiveTrace):
+        self.traces = traces
+
+    def digest(self) -> str:
+        return "/".join(t.digest() for t in self.traces)

@@ -28,6 +28,7 @@ class EngineConfig:
     index_cache_dtype: str = "bfloat16"  # DSA index keys (DeepSeek-V3.2, GLM-5): bfloat16 | fp8 | float32
     prefix_cache: bool = True           # reuse cached KV blocks of shared prompt prefixes (--no-prefix-cache)
     host_cache_memory: int = 0          # bytes of host memory for evicted cached blocks (0: no second tier)
+    overlap: bool = False               # plan step N+1 while step N's forward runs (docs/overlap.md)
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

@@ -81,6 +81,12 @@ class KVLink:
 
     def act(self, plan: StepPlan, outputs: list[StepOutput], held: dict[str, Sequence]) -> None:
         """Carry out the plan's transfer decisions on this rank (same calls on every rank)."""
+        # the other worker of these rooms is dead (its supervisor saw every rank exit): first, so
+        # that a room admitted in this same plan is refused by its tombstone
+        for reason, rooms in _by_reason(plan.peer_dead).items():
+            self.agent.peer_gone(rooms, reason)
+            for rid in rooms:
+                self._peers.pop(rid, None)
         for rid, _ in plan.aborted:
             self.agent.abort(rid)  # idempotent; unknown rooms become tombstones
             self._peers.pop(rid, None)
@@ -122,6 +128,13 @@ class KVLink:
 
     def _fail(self, rid: str, error: str) -> None:
         self._local += failed_and_fenced(rid, error)
+
+
+def _by_reason(pairs) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for rid, reason in pairs:
+        out.setdefault(reason, []).append(rid)
+    return out
 
 
 def failed(rid: str, error: str) -> TransferOutcome:

@@ -1,4 +1,5 @@
-"""The engine of one TP rank: observe → agree → broadcast → apply (scheduler/lockstep.py).
+"""The engine of one TP rank: observe → agree → broadcast → apply (scheduler/lockstep.py);
+with `EngineConfig.overlap`, the next step is planned while the forward runs.
 
 `step()` is the whole loop body: drain the inbox, let the scheduler plan, apply the plan, run
 the batch. Tokens sampled in a step travel in the next step's plan, so that with tensor
@@ -15,13 +16,13 @@ import torch
 import pdserve_kernels as ops
 from pdserve.distributed import TPGroup
 from pdserve.distributed.comm import LocalComm
-from pdserve.distributed.trace import CollectiveTrace
+from pdserve.distributed.trace import CollectiveTrace, Traces
 from pdserve.kvcache import BlockAllocator, HostTier, KVPool, salt_of
 from pdserve.layers.dsa import INDEX_DTYPES
 from pdserve.models import eos_token_ids, load_model, read_config
 from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
 from pdserve.scheduler.lockstep import LockstepLoop
-from pdserve.scheduler.plan import KVPeer
+from pdserve.scheduler.plan import KVPeer, PeerDeadRooms
 from pdserve.scheduler.recent import RecentIds
 from pdserve.structured.factory import grammars_for_model
 from pdserve.weights import resolve_model_path
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 
 ABORT_TOMBSTONE_TTL_S = 300.0
+MAX_PEER_DEAD_PER_STEP = 256  # rooms of a dead peer per plan (a plan travels in a fixed-size buffer)
 
 
 class LLMEngine:
@@ -59,8 +61,10 @@ class LLMEngine:
         hf_config = read_config(self.model_dir)
         dtype = config.torch_dtype()
         self.trace = CollectiveTrace()
+        # overlap: the model's collectives run on the forward thread, recorded in their own order
+        model_trace = CollectiveTrace() if config.overlap else self.trace
         tp = tp or TPGroup()
-        tp = TPGroup(tp.rank, tp.size, tp.group, self.trace)
+        tp = TPGroup(tp.rank, tp.size, tp.group, model_trace)
         self.comm = comm or LocalComm(self.trace)
         self.comm.trace = self.trace
         self.rank = tp.rank
@@ -83,13 +87,15 @@ class LLMEngine:
                        config.index_cache_dtype, config.block_size, tp.size)
         self.scheduler = Scheduler(
             SchedulerConfig(config.block_size, config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                            salt),
+                            salt, overlap=config.overlap),
             self.allocator, eos_token_ids(self.model_dir))
-        self.runner = ModelRunner(self.model, self.pool, config.device)
+        self.runner = ModelRunner(self.model, self.pool, config.device, tp)
         # constrained decoding: only rank 0 samples, so only its cache ever compiles (lockstep.py)
         self.grammars = self.runner.grammars = grammars_for_model(self.model_dir)
         self.kv_role = KVRole(kv_role)
-        self.loop = LockstepLoop(self.scheduler, self.comm, self.runner.run, None, digest_every, self.trace)
+        traces = Traces(self.trace, model_trace) if config.overlap else self.trace
+        self.loop = LockstepLoop(self.scheduler, self.comm, self.runner.run, None, digest_every, traces,
+                                 stage_batch=self.runner.stage if config.overlap else None)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._carry: list = []  # inbox items held back by the plan-size budget
         # Aborts seen by rank 0's inbox, so that a request whose abort overtook it is refused when
@@ -119,6 +125,10 @@ class LLMEngine:
         """Abort at any moment (waiting, prefilling, decoding); unknown ids are ignored."""
         self._inbox.put((request_id, FinishReason(reason)))
 
+    def peer_dead(self, rooms: list[str], reason: str) -> None:
+        """The other worker of these rooms died: every rank fails and fences them (kv_link)."""
+        self._inbox.put(PeerDeadRooms(list(rooms), reason))
+
     def _drain(self) -> Inbox:
         inbox = Inbox()
         # a TP plan travels in a fixed-size buffer: admit at most what fits, the rest next step
@@ -130,7 +140,14 @@ class LLMEngine:
             except queue.Empty:
                 break
         for item in items:
-            if isinstance(item, NewRequest):
+            if isinstance(item, PeerDeadRooms):  # a bounded share of the plan; the rest next step
+                each = len(item.reason.encode()) + 64  # a room id and its reason, pickled
+                space = min(MAX_PEER_DEAD_PER_STEP - len(inbox.peer_dead), max(0, budget // each))
+                inbox.peer_dead += [(rid, item.reason) for rid in item.rooms[:space]]
+                budget -= each * min(space, len(item.rooms))
+                if item.rooms[space:]:
+                    self._carry.append(PeerDeadRooms(item.rooms[space:], item.reason))
+            elif isinstance(item, NewRequest):
                 cost = 8 * len(item.prompt_ids) + 1024
                 if item.peer is not None:  # a prefill's peer carries the decode ranks' bootstraps
                     cost += sum(len(b) for b in item.peer.bootstrap) + 8 * len(item.peer.blocks)
@@ -159,8 +176,8 @@ class LLMEngine:
         return plan, outputs
 
     def has_work(self) -> bool:
-        return (self.scheduler.has_work() or bool(self.loop.sampled) or bool(self._carry)
-                or not self._inbox.empty())
+        return (self.scheduler.has_work() or bool(self.loop.sampled) or self.loop.in_flight
+                or bool(self._carry) or not self._inbox.empty())
 
     @torch.inference_mode()
     def run_until_done(self) -> list[StepOutput]:
@@ -169,3 +186,7 @@ class LLMEngine:
         while self.has_work():
             outputs += self.step()[1]
         return outputs
+
+    def close(self) -> None:
+        """Wait for a running forward (overlap) and stop the forward thread."""
+        self.loop.close()

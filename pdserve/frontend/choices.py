@@ -227,7 +227,8 @@ class ChoiceRun:
         decode, prefill = self.route
         body = GenerateRequest(request_id=self.rid, prompt_ids=self.spec.prompt_ids, params=self.spec.params,
                                prefill_url=prefill.url if prefill is not None else None,
-                               prefill_worker_id=prefill.worker_id if prefill is not None else None)
+                               prefill_worker_id=prefill.worker_id if prefill is not None else None,
+                               prefill_incarnation=prefill.incarnation if prefill is not None else None)
         async with self.services.client.generate(decode.url, body) as lines:
             async for line in lines:
                 if isinstance(line, RoomLine):
@@ -244,7 +245,7 @@ class ChoiceRun:
         body = PrefillRequest(request_id=self.rid, prompt_ids=self.spec.prompt_ids, params=self.spec.params,
                               decode=DecodeTarget(worker_id=room.worker_id,
                                                   decode_url=room.decode_url or self.route.decode.url,
-                                                  blocks=room.blocks))
+                                                  blocks=room.blocks, incarnation=self.route.decode.incarnation))
         self._prefill_task = asyncio.create_task(self._prefill(prefill.url, body), name=f"prefill-{self.rid}")
 
     async def _prefill(self, url: str, body: PrefillRequest) -> None:

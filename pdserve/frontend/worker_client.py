@@ -18,7 +18,7 @@ import httpx
 from pydantic import BaseModel, ValidationError
 
 from pdserve.worker_api import (AbortRequest, ErrorBody, ErrorCode, GenerateRequest, Health, Info, Load,
-                                PrefillRequest, StreamLine, parse_line)
+                                PeerDead, PeerDeadResult, PrefillRequest, StreamLine, parse_line)
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -108,6 +108,16 @@ class WorkerClient:
         except httpx.HTTPError as e:
             logger.info("[%s] abort on %s did not get through: %s", request_id, url, _describe(e))
             return False
+
+    async def peer_dead(self, url: str, body: PeerDead, timeout_s: float) -> int | None:
+        """POST /peers/dead: how many rooms the worker at `url` failed for the dead peer (None:
+        the call did not get through, or the worker predates the call)."""
+        try:
+            r = await self.control.post(f"{url}/peers/dead", json=body.wire(), timeout=timeout_s)
+            return PeerDeadResult.model_validate_json(r.content).rooms if r.status_code == 200 else None
+        except (httpx.HTTPError, ValidationError) as e:
+            logger.info("telling %s that worker %s died did not get through: %s", url, body.worker_id, _describe(e))
+            return None
 
     async def _get(self, url: str, path: str, model: type[M], timeout_s: float) -> M | None:
         try:

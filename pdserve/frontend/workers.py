@@ -21,6 +21,11 @@ a new worker id), it is back in rotation. Its supervisor (`pdserve serve`) says 
 worker is being restarted (``expect_back``); workers found by discovery are restarted by their
 orchestrator (``orchestrated``). Either way requests that need a missing worker wait in the
 admission queue for it, up to the queue's bound, instead of getting a 503 at once.
+
+A worker proven dead, every rank of it (its supervisor saw them exit: ``peer_dead``; or a new
+process of it answers at its URL), is announced to the workers of the other PD role
+(``POST /peers/dead``), which fail and fence the rooms they shared with that process at once
+(docs/supervision.md). A refused port alone is not such proof.
 """
 from __future__ import annotations
 
@@ -33,7 +38,7 @@ from typing import NamedTuple, Protocol
 
 from pdserve.frontend.errors import APIError, unavailable
 from pdserve.frontend.worker_client import Probe, WorkerClient
-from pdserve.worker_api import Info, Load, Role
+from pdserve.worker_api import Info, Load, PeerDead, Role
 
 logger = logging.getLogger(__name__)
 MAX_PENDING_PROBES = 4  # per worker: a worker that hangs holds at most this many probes open
@@ -85,6 +90,14 @@ class WorkerEndpoint:
     retired: bool = False       # gone from its source: no new requests, removed once idle
     restarting: bool = False    # dead, and its supervisor is restarting it: requests may wait for it
     load_step: int | None = None  # its step counter when `load` was read (/load changes only in a step)
+    known: Info | None = None   # the last /info read, kept after it died: which process a notice names
+
+    @property
+    def incarnation(self) -> str | None:
+        """Its process, from /info (a restarted worker with the same worker id has another)."""
+        if self.info is None:
+            return None
+        return self.info.incarnation or None
 
     @property
     def worker_id(self) -> str | None:
@@ -142,6 +155,7 @@ class WorkerPool:
         # died is restarted by the kubelet): requests wait for them as for a restarting worker
         self.orchestrated: set[Role] = set()
         self._pollers: dict[WorkerEndpoint, asyncio.Task[None]] = {}
+        self._notices: set[asyncio.Task[None]] = set()  # peer-dead notices being sent
         self._running = False
         for w in self.workers:
             w.inflight.on_leave = self._changed
@@ -182,6 +196,35 @@ class WorkerPool:
             if w.healthy or w.inflight:
                 self.observe(w, Probe(False, "refused"))
         self._changed()
+
+    def peer_dead(self, url: str, reason: str) -> asyncio.Task[None] | None:
+        """The worker at `url` is dead, every rank of it (its supervisor saw them all exit): tell
+        each worker that shares rooms with it (the other PD role), so that they fail and fence
+        those rooms now instead of after their lease. The notice names the process that died
+        (its worker id and incarnation, from its last /info): a late one never touches the rooms
+        of a restarted worker. None when nothing is known of it (it never answered /info)."""
+        dead = next((w for w in self.workers if w.url == _norm(url)), None)
+        if dead is None or dead.known is None:
+            return None
+        return self._tell_peers(dead, dead.known, reason)
+
+    def _tell_peers(self, dead: WorkerEndpoint, info: Info, reason: str) -> asyncio.Task[None] | None:
+        if dead.role is Role.BOTH:  # a colocated worker shares no rooms
+            return None
+        peers = [w for w in self.workers if w.role is (Role.DECODE if dead.role is Role.PREFILL else Role.PREFILL)]
+        body = PeerDead(worker_id=info.worker_id, incarnation=info.incarnation or None, reason=reason)
+        logger.info("telling %d %s worker(s) that %s worker %s (%s) is dead", len(peers),
+                    "decode" if dead.role is Role.PREFILL else "prefill", dead.role.value, body.worker_id, dead.url)
+
+        async def tell() -> None:
+            done = await asyncio.gather(*(self.client.peer_dead(w.url, body, self.timeout_s) for w in peers))
+            rooms = sum(n or 0 for n in done)
+            if rooms:
+                logger.info("the peers of dead worker %s settled %d room(s) shared with it", body.worker_id, rooms)
+        task = asyncio.ensure_future(tell())
+        self._notices.add(task)  # kept until sent (the loop holds tasks only weakly)
+        task.add_done_callback(self._notices.discard)
+        return task
 
     def pick(self, fits: Callable[[WorkerEndpoint], bool] | None = None,
              choose: Callable[[list[WorkerEndpoint]], WorkerEndpoint | None] | None = None) -> Route:
@@ -316,6 +359,12 @@ class WorkerPool:
         answered_at = self.clock()
         if probe.ok and w.info is None:
             w.info = await self.client.info(w.url, self.timeout_s)
+            if w.info is not None:
+                before, w.known = w.known, w.info
+                if before is not None and before.incarnation and before.incarnation != w.info.incarnation:
+                    # a new process serves its URL once the old one, every rank of it, is gone
+                    # (a restarted container, or a TP group that restarts whole): proof enough
+                    self._tell_peers(w, before, "a new process of it answers at its URL")
             w.load_step = None  # maybe a new process: its step counter started over
             self._check_role(w)
         # what /load reports changes only in a step: with nothing of ours on it (no lease to

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import pdserve_kernels as ops
 from pdserve.distributed import TPGroup
 from pdserve.kvcache import CacheTensorSpec
 from pdserve.layers.attention import Attention, AttentionMetadata
@@ -19,6 +20,7 @@ from pdserve.layers.linear import QKVParallelLinear, RowParallelLinear
 from pdserve.layers.mlp import GatedMLP
 from pdserve.layers.norm import RMSNorm
 from pdserve.layers.quant import QuantConfig, linear_method
+from pdserve.layers.quant.blocks import BlockQuantLinearMethod
 from pdserve.layers.rotary import RotaryEmbedding
 
 from pdserve.weights.loading import load_tensors, require_loaded, stacked_target
@@ -69,6 +71,19 @@ class LlamaConfig:
         )
 
 
+@dataclass
+class DecodeStep:
+    """Per-step inputs of the fused decode blocks, shared by every layer: RoPE's cos/sin rows
+    `[B, head_dim/2]`, int64 block tables and context lengths."""
+
+    meta: AttentionMetadata
+    cos: torch.Tensor
+    sin: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+    packed: bool  # multiply by the packed Q4 weights (the int16 path) where layers have them
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, c: LlamaConfig, layer_idx: int, tp: TPGroup, quant: QuantConfig | None = None,
                  rotary: RotaryEmbedding | None = None):
@@ -110,6 +125,46 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, f"model.layers.{layer_idx}.mlp", tp, quant)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self._decode_args: tuple | None = None  # decode_args(), kept after the first decode step
+
+    def can_fuse_decode(self) -> bool:
+        """Whether this layer's shape fits the fused decode blocks: every projection in GGUF
+        blocks, no biases, no q/k norm, rotate-half RoPE, fp32 norms."""
+        a, m = self.self_attn, self.mlp
+        linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
+        return (all(isinstance(l.method, BlockQuantLinearMethod) and l.bias is None for l in linears)
+                and not a.qk_norm and not a.rotary.interleaved
+                and self.input_layernorm.weight.dtype == self.post_attention_layernorm.weight.dtype == torch.float32)
+
+    def decode(self, x: torch.Tensor, residual: torch.Tensor | None, step: "DecodeStep"
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` for a decode-only batch in two native calls (pdserve_kernels.decode_layer),
+        the tensor-parallel sums between them as in `forward`."""
+        if self._decode_args is None:  # the same every step: gathered once, not 30 lookups a layer
+            self._decode_args = self.decode_args()
+        attn, mlp, attn_packed, mlp_packed, attn_tp, mlp_tp = self._decode_args
+        cache = step.meta.kv_caches[self.self_attn.attn.layer_idx]
+        y = ops.decode_attention_block(  # x += residual: x becomes the residual stream
+            x, residual, *attn[0], step.cos, step.sin, cache["k"], cache["v"], step.meta.slot_mapping,
+            step.tables, step.lens, *attn[1], *(attn_packed if step.packed else (None, None)))
+        if attn_tp is not None:
+            y = attn_tp.all_reduce(y)
+        z = ops.decode_mlp_block(y, x, *mlp, *(mlp_packed if step.packed else (None, None)))
+        if mlp_tp is not None:
+            z = mlp_tp.all_reduce(z)
+        return z, y  # y now holds x + attention: the residual stream
+
+    def decode_args(self) -> tuple:
+        """What `decode` passes besides the step's tensors: weights, formats, packed copies, and
+        the TP group of each row-parallel projection that sums its output (None: no sum)."""
+        a, m = self.self_attn, self.mlp
+        n1, n2 = self.input_layernorm, self.post_attention_layernorm
+        attn = ((n1.weight, n1.eps, a.qkv_proj.weight, a.qkv_proj.method.fmt, a.o_proj.weight,
+                 a.o_proj.method.fmt), (a.num_heads, a.num_kv_heads, a.attn.scale))
+        mlp = (n2.weight, n2.eps, m.gate_up_proj.weight, m.gate_up_proj.method.fmt, m.down_proj.weight,
+               m.down_proj.method.fmt)
+        return (attn, mlp, (a.qkv_proj.packed, a.o_proj.packed), (m.gate_up_proj.packed, m.down_proj.packed),
+                a.o_proj.tp if a.o_proj.reduce else None, m.down_proj.tp if m.down_proj.reduce else None)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -129,12 +184,34 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, tp, quant, rotary) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self._fusable: bool | None = None  # every layer fits the fused decode blocks (set on first use)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(ids), None
+        step = self.decode_step(x, positions, meta)
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, meta)
+            if step is not None:
+                x, residual = layer.decode(x, residual, step)
+            else:
+                x, residual = layer(x, residual, positions, meta)
         return self.norm(x, residual)[0]
+
+    def decode_step(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                    ) -> "DecodeStep | None":
+        """What the fused decode blocks read, once per step; None when this step takes the
+        op-by-op path (not a decode-only fp32 CPU batch, the fused ops not native here, or a
+        layer shape they do not cover)."""
+        if self._fusable is None:
+            self._fusable = all(layer.can_fuse_decode() for layer in self.layers)
+        n = len(meta.context_lens)
+        if not (self._fusable and ops.is_native(ops.decode_attention_block) and x.device.type == "cpu"
+                and x.dtype == torch.float32 and n and meta.query_start_loc[-1] == n == x.shape[0]
+                and meta.kv_caches[0]["k"].dtype == torch.float32):
+            return None
+        cos, sin = self.layers[0].self_attn.rotary.cos_sin(positions)
+        return DecodeStep(meta, cos[:, 0], sin[:, 0], meta.block_tables.to(torch.int64).contiguous(),
+                          torch.tensor(meta.context_lens, dtype=torch.int64),
+                          ops.is_native(ops.qmatmul_packed))
 
 
 class LlamaForCausalLM(nn.Module):

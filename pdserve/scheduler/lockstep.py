@@ -14,13 +14,50 @@ Structured outputs follow the same rule: the grammar mask is part of sampling, s
 matchers live only where sampling happens, on rank 0 (`Sequence.grammar`, started by the
 sampler). Other ranks never build one: they follow rank 0's tokens from the plan, so a
 grammar decision cannot differ between ranks, and no rank waits on a grammar compile.
+
+Overlap (`stage_batch` given, `--overlap`): step N's forward runs on a forward thread while the
+loop thread observes, agrees, plans and broadcasts step N+1 (and the caller hands step N's
+outputs out). The rules that keep the ranks in lockstep:
+
+* The loop is the same sequence on every rank: observe → agree → plan → broadcast → wait for
+  forward N → apply N+1 → start forward N+1. The plan is still one fixed-size gather and one
+  broadcast. `apply` runs only while no forward does, so nothing a forward reads (block tables,
+  output ids, the pool) changes under it, and a block freed by `apply` can no longer be written
+  by any forward: blocks of an ended or aborted request come back only after the forward that
+  could write them has finished. An abort or a transfer outcome that lands during forward N
+  is seen by plan N+1 and takes effect in apply N+1, after forward N: never rank-locally.
+* Plan N+1 cannot hold forward N's tokens (not sampled yet): it holds forward N-1's. A decode
+  step of a request that forward N samples for takes a placeholder as input; the model runner
+  fills it with forward N's token before forward N+1 computes (rank 0 has it; with TP, rank 0
+  broadcasts the step's placeholder tokens on the model's process group at the start of the
+  forward, on the forward thread, so every rank does it at the same point of its forwards).
+  The control collectives (agree, broadcast) then run on another process group than the
+  model's: two threads never share one group, whose collectives would interleave differently
+  on each rank.
+* A finish (EOS, a stop token, max_tokens, a prefill's hand-off) is seen one step late, when
+  the token reaches a plan; the scheduler does not take a placeholder for a request that
+  certainly ends with it (max_tokens, the context, a prefill's first token), so only an EOS or
+  stop token costs an extra row. That extra token reaches a later plan after its request ended
+  and `apply` drops it on every rank alike: it never becomes an output.
+* A request whose sampling reads its own output (a grammar, penalties, min_tokens) never takes a
+  placeholder: it waits one step for its token instead (scheduler.py).
+* A forward's tokens become outputs in the plan after next, one step later by count; but an
+  overlapped step returns before its own forward ends, so in time forward N's token is out
+  after forward N+1, as in the plain loop.
+* The state digest is taken between apply and the forward's start, when neither thread is in
+  a collective; the model's and the loop's collectives are traced apart (`Traces`).
+* Prefill: a room's first token reaches a plan only after the forward that computed its KV has
+  finished, and the KV write starts from that plan's `act`: it never reads a block a forward
+  still writes.
 """
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -121,7 +158,7 @@ def state_digest(scheduler: Scheduler, trace_digest: str) -> dict[str, str]:
         "waiting": h([s.request_id for s in scheduler.waiting]),
         "running": h([s.request_id for s in scheduler.running]),
         "held": h(sorted((r, s.status.value, s.finish_reason) for r, s in scheduler.held.items())),
-        "progress": h([(r, s.num_computed, len(s.output_ids)) for r, s in seqs]),
+        "progress": h([(r, s.num_computed, len(s.output_ids), scheduler.futures.get(r, 0)) for r, s in seqs]),
         "block_tables": h([(r, s.block_table) for r, s in seqs] +
                           sorted((r, s.block_table) for r, s in scheduler.held.items())),
         "pool": h((scheduler.allocator.num_free, scheduler.allocator.num_used)),
@@ -153,12 +190,19 @@ class TransferLink(Protocol):
         """Carry out the plan's transfer decisions on this rank."""
 
 
+StageBatch = Callable[[list, bool, list[SampledToken]], Callable[[], list[SampledToken]]]
+
+
 class LockstepLoop:
     """One TP rank's loop body. `run_batch(batch, sample)` runs the forward (all ranks) and
-    samples (rank 0 only); `link` is this rank's transfer, if any."""
+    samples (rank 0 only); `link` is this rank's transfer, if any.
+
+    Overlap: `stage_batch(batch, sample, previous)` is called on the loop thread after apply,
+    with rank 0's tokens of the previous forward (to fill placeholders), and returns the job to
+    run on the forward thread."""
 
     def __init__(self, scheduler: Scheduler, comm, run_batch: Callable, link: TransferLink | None = None,
-                 digest_every: int = 0, trace=None):
+                 digest_every: int = 0, trace=None, stage_batch: StageBatch | None = None):
         self.scheduler, self.comm, self.run_batch, self.link = scheduler, comm, run_batch, link
         self.rank = comm.rank
         self.agreement = TransferAgreement(comm.size)
@@ -171,16 +215,58 @@ class LockstepLoop:
         self._digest_step = -1
         self.agree_s = 0.0  # the last step's time in the agree and broadcast collectives
         self.step_s = 0.0
+        # the loop's own timers (bench/offline.py): observe+agree+plan+broadcast, the wait for the
+        # running forward (overlap), apply, and the forward itself (on the forward thread)
+        self.plan_s = self.wait_s = self.apply_s = self.forward_s = 0.0
+        self.stage_batch = stage_batch
+        self.before_forward: Callable[[], None] | None = None  # a test's hook, on the forward thread
+        self.waiting_forward = threading.Event()  # set while the loop thread waits for a forward
+        self._running: Future | None = None
+        self._forward = ThreadPoolExecutor(1, thread_name_prefix="forward") if stage_batch else None
+
+    @property
+    def overlap(self) -> bool:
+        return self._forward is not None
+
+    @property
+    def in_flight(self) -> bool:
+        """A forward is running (or finished, its tokens not collected yet)."""
+        return self._running is not None
 
     def step(self, inbox: Inbox) -> tuple[StepPlan, list[StepOutput]]:
+        """One step: the plain loop, or the overlapped one (module docstring)."""
+        if self.overlap:
+            return self._step_overlap(inbox)
         t0 = time.perf_counter()
-        # 1. observe
+        plan = self._decide(inbox)
+        self.plan_s = time.perf_counter() - t0
+        outputs, batch = self.scheduler.apply(plan)
+        if self.link is not None:
+            self.link.act(plan, outputs, self.scheduler.held)
+        t1 = time.perf_counter()
+        sampled = self.run_batch(batch, self.rank == 0)
+        self.forward_s = time.perf_counter() - t1
+        self.apply_s = t1 - t0 - self.plan_s
+        self.sampled = sampled if self.rank == 0 else []
+        self._check()
+        self.step_no += 1
+        self.step_s = time.perf_counter() - t0
+        return plan, outputs
+
+    def _check(self) -> None:
+        if self.digest_every and (self.step_no + 1) % self.digest_every == 0:
+            if not self.scheduler.has_work():  # checking on: the books balance (cheap only when idle)
+                self.scheduler.allocator.check_integrity()
+            self._digest = state_digest(self.scheduler, self.trace.digest() if self.trace else "")
+            self._digest_step = self.step_no
+
+    def _decide(self, inbox: Inbox) -> StepPlan:
+        """Observe, agree, plan (rank 0), broadcast: the plan of this step, on every rank."""
         if self.link is not None:
             self._backlog += self.link.observe()
         mine, self._backlog = self._backlog[:MAX_OUTCOMES_PER_STEP], self._backlog[MAX_OUTCOMES_PER_STEP:]
         obs = Observation(self.rank, mine, self._digest, self._digest_step)
         self._digest = None
-        # 2. agree (+ plan on rank 0)
         t1 = time.perf_counter()
         observations = self.comm.agree(obs)
         agree_s = time.perf_counter() - t1
@@ -188,25 +274,64 @@ class LockstepLoop:
         if self.rank == 0:
             transfers = self.agreement.add(observations)
             plan = self.scheduler.plan(self.step_no, inbox, self.sampled, transfers)
+            plan.peer_dead = inbox.peer_dead  # the transfer link fails and fences them on every rank
             error = first_divergence(observations)
             if error:
                 logger.error("%s; stopping the worker", error)
                 plan.shutdown, plan.error = True, error
-        # 3. broadcast
         t1 = time.perf_counter()
         plan = self.comm.broadcast(plan)
         self.agree_s = agree_s + time.perf_counter() - t1
-        # 4. apply
+        return plan
+
+    def _step_overlap(self, inbox: Inbox) -> tuple[StepPlan, list[StepOutput]]:
+        """The overlapped step (module docstring): plan N+1 while forward N runs, then wait for
+        it, apply N+1 and start forward N+1 on the forward thread."""
+        t0 = time.perf_counter()
+        plan = self._decide(inbox)  # forward N runs meanwhile
+        t1 = time.perf_counter()
+        self.plan_s = t1 - t0
+        previous = self.finish()  # forward N's tokens: placeholders of N+1, then plan N+2's
+        t2 = time.perf_counter()
+        self.wait_s = t2 - t1
+        self.sampled = previous
         outputs, batch = self.scheduler.apply(plan)
         if self.link is not None:
             self.link.act(plan, outputs, self.scheduler.held)
-        sampled = self.run_batch(batch, self.rank == 0)
-        self.sampled = sampled if self.rank == 0 else []
-        if self.digest_every and (self.step_no + 1) % self.digest_every == 0:
-            if not self.scheduler.has_work():  # checking on: the books balance (cheap only when idle)
-                self.scheduler.allocator.check_integrity()
-            self._digest = state_digest(self.scheduler, self.trace.digest() if self.trace else "")
-            self._digest_step = self.step_no
+        self._check()  # no forward runs: every rank's traces are at the same point
+        if batch:
+            job = self.stage_batch(batch, self.rank == 0, previous)
+            self._running = self._forward.submit(self._run_forward, job)
+        self.apply_s = time.perf_counter() - t2
         self.step_no += 1
         self.step_s = time.perf_counter() - t0
         return plan, outputs
+
+    def _run_forward(self, job: Callable[[], list[SampledToken]]) -> list[SampledToken]:
+        if self.before_forward is not None:
+            self.before_forward()
+        t0 = time.perf_counter()
+        sampled = job()
+        self.forward_s = time.perf_counter() - t0
+        return sampled
+
+    def finish(self) -> list[SampledToken]:
+        """Wait for the running forward (if any); rank 0's tokens of it ([] elsewhere). A failed
+        forward raises here, on the loop thread."""
+        running, self._running = self._running, None
+        if running is None:
+            return []
+        self.waiting_forward.set()
+        try:
+            sampled = running.result()
+        finally:
+            self.waiting_forward.clear()
+        return sampled if self.rank == 0 else []
+
+    def close(self) -> None:
+        """Wait for the running forward and stop the forward thread (the loop ends)."""
+        try:
+            self.finish()
+        finally:
+            if self._forward is not None:
+                self._forward.shutdown(wait=True)

@@ -41,12 +41,21 @@ class NewRequest:
         self.kv = KVRole(self.kv)
 
 
+@dataclass(frozen=True)
+class PeerDeadRooms:
+    """Rank 0's inbox item: the peer worker of these rooms died (its supervisor saw it)."""
+
+    rooms: list[str]
+    reason: str
+
+
 @dataclass
 class Inbox:
     """What rank 0 drained this step: new requests, aborts (id, reason), a shutdown request."""
 
     new: list[NewRequest] = field(default_factory=list)
     aborts: list[tuple[str, FinishReason]] = field(default_factory=list)
+    peer_dead: list[tuple[str, str]] = field(default_factory=list)  # (room, why): its peer worker died
     shutdown: bool = False
 
 
@@ -104,11 +113,12 @@ class StepPlan:
     batch: list[ScheduledChunk] = field(default_factory=list)
     shutdown: bool = False
     error: str | None = None  # why the worker stops (a divergence, a failed rank)
+    peer_dead: list[tuple[str, str]] = field(default_factory=list)  # (room, why): fail + fence (kv_link)
 
     @property
     def idle(self) -> bool:
         return not (self.sampled or self.transfers or self.aborted or self.rejected or self.admitted
-                    or self.batch)
+                    or self.batch or self.peer_dead)
 
 
 @dataclass

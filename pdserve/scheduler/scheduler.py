@@ -15,6 +15,13 @@ Admission (who starts running) leaves a reserve of one block per running stream 
 growth, and wants the whole prompt's blocks at once; when running streams need blocks anyway,
 the most recently admitted is preempted first, and a request alone in the running batch is
 never preempted (it waits for held rooms to give blocks back instead).
+
+Overlap (`SchedulerConfig.overlap`, scheduler/lockstep.py): a plan is made while the previous
+step's forward still runs, so a request's newest token may not be known yet. `futures` counts,
+per request, the tokens a forward samples (or sampled) that no plan has delivered yet; a
+decode step may take the one the running forward samples as its input (a placeholder the model
+runner fills in), unless the request certainly ends with it, or its sampling reads its own
+output (grammar, penalties, min_tokens), which must then be complete.
 """
 from __future__ import annotations
 
@@ -41,6 +48,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512  # the chunked-prefill token budget of one step
     max_model_len: int = 8192
     cache_salt: bytes = b""  # starts every block-name chain (kvcache/prefix.py: salt_of)
+    overlap: bool = False  # plans are made while the previous forward runs (see above)
 
 
 class _Books:
@@ -108,6 +116,7 @@ class Scheduler:
         self.seqs: dict[str, Sequence] = {}  # live requests (waiting, running, awaiting their KV)
         self.held: dict[str, Sequence] = {}  # status.held: a KV transfer may touch their blocks
         self.num_preemptions = 0
+        self.futures: dict[str, int] = {}  # overlap: tokens sampled or being sampled, not yet applied
 
     # ---- rank 0: decide -------------------------------------------------------------------
 
@@ -244,14 +253,15 @@ class Scheduler:
         cfg = self.config
         grown = {s.request_id for s in sampled}
         running: list[_Slot] = [
-            _Slot(seq, seq.request_id, seq.num_computed, seq.num_pending + (seq.request_id in grown),
-                  seq.block_table)
+            _Slot(seq, seq.request_id, seq.num_computed, self._pending(seq, grown), seq.block_table)
             for seq in self.running if seq.request_id not in gone]
         for tok in arrived:  # decode rooms whose KV landed: the prompt is cached, one token pending
             seq = self.held[tok.request_id]
             running.append(_Slot(seq, seq.request_id, len(seq.prompt_ids), 1, seq.block_table))
-        waiting = [_Slot(seq, seq.request_id, 0, seq.num_tokens, [], computes_all=seq.wants_prompt_logprobs)
-                   for seq in self.waiting if seq.request_id not in gone]
+        late = grown if self.config.overlap else set()  # overlap: a preempted request's last token
+        waiting = [_Slot(seq, seq.request_id, 0, seq.num_tokens + (seq.request_id in late), [],
+                         computes_all=seq.wants_prompt_logprobs)
+                   for seq in self.waiting if seq.request_id not in gone and not self._unresolved(seq, grown)]
         waiting += [_Slot(None, r.request_id, 0, len(r.prompt_ids), [], r.prompt_ids,
                           computes_all=r.params.prompt_logprobs is not None)
                     for r in admitted if r.kv is not KVRole.DECODE]
@@ -300,6 +310,24 @@ class Scheduler:
                 batch.append(ScheduledChunk(slot.request_id, n, cached))
         return batch, preempted
 
+    def _unresolved(self, seq: Sequence, grown: set[str]) -> int:
+        """Overlap: tokens of `seq` the running forward samples (not in this plan); 0 otherwise."""
+        if not self.config.overlap:
+            return 0
+        return max(0, self.futures.get(seq.request_id, 0) - (seq.request_id in grown))
+
+    def _pending(self, seq: Sequence, grown: set[str]) -> int:
+        """Tokens of a running request to compute this step, a running forward's token included
+        (overlap) unless the request certainly ends with that token or samples from its output."""
+        known = seq.num_pending + (seq.request_id in grown)
+        unresolved = self._unresolved(seq, grown)
+        if not unresolved:
+            return known
+        outputs = len(seq.output_ids) + (seq.request_id in grown) + unresolved
+        if _certain_end(seq, outputs) or _reads_output(seq):
+            return known  # 0: it waits until its token is known
+        return known + unresolved
+
     # ---- every rank: apply ----------------------------------------------------------------
 
     def apply(self, plan: StepPlan) -> tuple[list[StepOutput], list[tuple[Sequence, int, int]]]:
@@ -307,8 +335,14 @@ class Scheduler:
         outputs: list[StepOutput] = []
         for s in plan.sampled:
             seq = self.seqs.get(s.request_id)
-            if seq is not None:  # else: aborted after the token was sampled
+            if seq is not None:  # else: aborted after the token was sampled (or, overlap: ended)
+                if not self.config.overlap:
+                    outputs.append(self._append(seq, s))
+                    continue
+                self._resolve(seq)
                 outputs.append(self._append(seq, s))
+                if seq.finish_reason is None:  # a block whose last token was a placeholder is named now
+                    self._name_full_blocks(seq)
         for t in plan.transfers:
             seq = self.held.get(t.request_id)
             if seq is not None:  # else: the room is not ours (any more): a late or duplicate outcome
@@ -372,6 +406,8 @@ class Scheduler:
             seq.block_table += self.allocator.allocate(max(0, need))
             batch.append((seq, seq.num_computed, chunk.num_tokens))
             seq.num_computed += chunk.num_tokens
+            if self.config.overlap and seq.num_computed >= seq.num_tokens:  # it samples a token
+                self.futures[seq.request_id] = self.futures.get(seq.request_id, 0) + 1
             self._name_full_blocks(seq)
         return outputs, batch
 
@@ -399,7 +435,8 @@ class Scheduler:
         room's blocks are not named: the decode worker never looks anything up."""
         if not self.allocator.caching or seq.kv is KVRole.DECODE:
             return
-        full = seq.num_computed // self.config.block_size
+        # overlap: a placeholder's token is unknown until a plan delivers it; name its block then
+        full = min(seq.num_computed, seq.num_tokens) // self.config.block_size
         if full * self.config.block_size <= seq.num_named:
             return
         names = self._names(seq, full)
@@ -442,12 +479,20 @@ class Scheduler:
                                       cached_tokens=seq.cached_tokens))
         if move.status is not SequenceStatus.RUNNING:  # ended: only a hold may keep it
             self.seqs.pop(seq.request_id, None)
+            self.futures.pop(seq.request_id, None)
+
+    def _resolve(self, seq: Sequence) -> None:
+        n = self.futures.pop(seq.request_id, 0) - 1
+        if n > 0:
+            self.futures[seq.request_id] = n
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a running or waiting request. Its blocks return now, unless its KV is still to be
-        sent (lifecycle.ended)."""
+        sent (lifecycle.ended). Overlap: a token still being sampled for it is dropped when it
+        comes (it is no longer in `seqs`)."""
         seq.finish_reason = reason
         self.seqs.pop(seq.request_id, None)
+        self.futures.pop(seq.request_id, None)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -469,3 +514,16 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.seqs or self.held)
+
+
+def _certain_end(seq: Sequence, num_outputs: int) -> bool:
+    """The request ends with its `num_outputs`-th token, whatever that token is."""
+    return (seq.kv is KVRole.PREFILL or num_outputs >= seq.params.max_tokens
+            or len(seq.prompt_ids) + num_outputs >= seq.max_len)
+
+
+def _reads_output(seq: Sequence) -> bool:
+    """Its sampling reads its own output (sampler.py): the output must be complete first."""
+    p = seq.params
+    return (p.structured is not None or p.repetition_penalty != 1.0 or bool(p.presence_penalty)
+            or bool(p.frequency_penalty) or len(seq.output_ids) < p.min_tokens)

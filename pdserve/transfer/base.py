@@ -66,6 +66,13 @@ class TransferTarget(TransferAgent):
         """Idempotent. Live room: ABORTED, source told, blocks held until `Fenced`."""
 
     @abstractmethod
+    def peer_gone(self, rooms: Sequence[str], reason: str) -> None:
+        """The peer of these rooms is known dead (its supervisor saw every rank of it exit):
+        live ones fail, all are fenced at once (nothing of a dead process writes any more); an
+        unknown room gets a FAILED tombstone, so a later `expect` is refused. Rooms that
+        completed are left alone."""
+
+    @abstractmethod
     def send_control(self, peer: str, msg: Message) -> bool:
         """Send a standalone control message. False if the peer is unknown or dead."""
 
@@ -96,6 +103,12 @@ class TransferSource(TransferAgent):
     @abstractmethod
     def abort(self, room: str) -> None:
         """Idempotent. Live room: ABORTED, peer told; `Fenced` once no write is in flight."""
+
+    @abstractmethod
+    def peer_gone(self, rooms: Sequence[str], reason: str) -> None:
+        """The target of these rooms is known dead: live ones fail, and with no write of theirs
+        in flight (a write to a dead process is dropped) they are fenced; an unknown room gets
+        a FAILED tombstone, so a later `write` is refused."""
 
     @abstractmethod
     def forget_peer(self, peer: str) -> None:

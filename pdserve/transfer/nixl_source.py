@@ -117,6 +117,14 @@ class NixlSource(TransferSource):
             self._send(rec.peer, Abort(room))
         self._fence_if_idle(room)
 
+    def peer_gone(self, rooms: Sequence[str], reason: str) -> None:
+        for room in rooms:
+            handle = self._inflight.pop(room, None)
+            if handle is not None:  # its target is dead: nothing of this write can land any more
+                handle.release()
+            if self.rooms.gone(room, reason):
+                self._events.append(RoomFailed(room, f"the decode worker is dead: {reason}"))
+
     def forget_peer(self, peer: str) -> None:
         # Tell it first, in case it is alive after all: its rooms fail, idle ones are fenced.
         for rec in self.rooms.rooms():

@@ -53,6 +53,11 @@ class NixlTarget(TransferTarget):
         if self.rooms.abort(room) is Outcome.APPLIED:
             self._tell_source(room)
 
+    def peer_gone(self, rooms: Sequence[str], reason: str) -> None:
+        for room in rooms:
+            if self.rooms.gone(room, reason):
+                self._events.append(RoomFailed(room, f"the prefill worker is dead: {reason}"))
+
     def send_control(self, peer: str, msg: Message) -> bool:
         if peer not in self._sources:
             return False

@@ -217,6 +217,16 @@ class RoomTable:
                 self.fence(rec.id, f"peer dead: {reason}")
         return failed
 
+    def gone(self, room: str, reason: str) -> bool:
+        """`room`'s peer is known dead: a live room fails, any room is fenced (an unknown one
+        becomes a FAILED tombstone). True when a live room with blocks failed here."""
+        failed = (self.apply(room, RoomEvent.FAIL, reason=reason) is Outcome.APPLIED
+                  and bool(self._rooms[room].has_blocks))
+        if failed:
+            self.counters["peer_dead_failed_rooms"] += 1
+        self.fence(room, f"peer dead: {reason}")
+        return failed
+
     def tick(self) -> list[str]:
         """Expire leases and tombstones. Returns the live rooms that failed by room lease."""
         now = self._clock()

@@ -44,7 +44,8 @@ class RankRuntime:
         if settings.tp > 1:
             host, port = settings.rendezvous
             tp, comm = init_tp(rank, settings.tp, port, engine_config.device, settings.collective_timeout,
-                               host=host, init_timeout_s=settings.dist_init_timeout)
+                               host=host, init_timeout_s=settings.dist_init_timeout,
+                               overlap=engine_config.overlap)
         self.engine = LLMEngine(engine_config, KVRole.of_worker(settings.role), tp, comm,
                                 digest_every=settings.check_divergence)
         self.agent = None
@@ -63,14 +64,19 @@ class RankRuntime:
         self.bootstrap = share_bootstrap(self.engine.comm, self.agent)
 
     def run(self, hooks: StepHooks) -> None:
-        """Step until a plan says shut down; a plan's error (a divergence) raises."""
-        while True:
-            plan, outputs = self.engine.step(shutdown=hooks.before_step())
-            if plan.error:
-                raise RuntimeError(plan.error)
-            if plan.shutdown:
-                return
-            hooks.after_step(plan, outputs)
+        """Step until a plan says shut down; a plan's error (a divergence) raises. With overlap,
+        `after_step` hands step N's outputs out while step N's forward runs; the last forward
+        is waited for on the way out."""
+        try:
+            while True:
+                plan, outputs = self.engine.step(shutdown=hooks.before_step())
+                if plan.error:
+                    raise RuntimeError(plan.error)
+                if plan.shutdown:
+                    return
+                hooks.after_step(plan, outputs)
+        finally:
+            self.engine.close()
 
     def close(self) -> None:
         if self.agent is not None:

@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import json
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
@@ -22,10 +23,12 @@ from pdserve.logs import REQUEST_ID, about
 from pdserve.metrics import ABORT_ORIGINS, CONTENT_TYPE
 from pdserve.scheduler.plan import KVPeer, StepOutput
 from pdserve.worker_api import (NDJSON, RETRY_AFTER_S, AbortRequest, AbortResult, Bootstrap, ErrorBody, ErrorCode,
-                                FinishReason, GenerateRequest, Health, HealthStatus, Info, Load, PrefillDone,
-                                PrefillRequest, Role, Room, RoomLine, SamplingParams, TokenLine, TokenLogprob, line)
+                                FinishReason, GenerateRequest, Health, HealthStatus, Info, Load, PeerDead,
+                                PeerDeadResult, PrefillDone, PrefillRequest, Role, Room, RoomLine, SamplingParams,
+                                TokenLine, TokenLogprob, line)
 
 from .lease import RouterLease
+from .peers import PeerRooms
 from .worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -104,6 +107,9 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
     http = httpx.AsyncClient(timeout=httpx.Timeout(10.0), trust_env=False,
                              headers={"Authorization": f"Bearer {internal_token}"} if internal_token else None)
     bootstraps: dict[str, list[str]] = {}  # decode worker id → its per-rank bootstrap info
+    # this process, as its peers and the router tell it from a restarted one with the same id
+    incarnation = secrets.token_hex(8)
+    peer_rooms = PeerRooms()  # the other worker of each PD room here (/peers/dead)
 
     def error(code: ErrorCode, message: str) -> JSONResponse:
         headers = {"Retry-After": str(RETRY_AFTER_S)} if code is ErrorCode.DRAINING else None
@@ -153,7 +159,8 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
         return Info(role=role, worker_id=worker.settings.worker_id, model=model_name,
                     max_model_len=sched.config.max_model_len, block_size=sched.config.block_size,
                     num_blocks=sched.allocator.num_blocks, tp=worker.settings.tp,
-                    eos_token_ids=sorted(sched.eos_token_ids), max_num_seqs=sched.config.max_num_seqs).wire()
+                    eos_token_ids=sorted(sched.eos_token_ids), max_num_seqs=sched.config.max_num_seqs,
+                    incarnation=incarnation).wire()
 
     @app.get("/load")
     async def load() -> dict:
@@ -188,6 +195,21 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
         # idempotent: an unknown or finished request is fine and counts nothing (aborts.py)
         return JSONResponse(AbortResult(aborted=worker.abort(body.request_id, origin=body.origin)).wire())
 
+    @app.post("/peers/dead")
+    async def peers_dead(request: Request) -> Response:
+        """A peer worker died (all its ranks): fail and fence the rooms shared with it, now."""
+        lease.renew()
+        body = await parse(request, PeerDead)
+        if isinstance(body, JSONResponse):
+            return body
+        rooms = peer_rooms.take(body.worker_id, body.incarnation)
+        bootstraps.pop(body.worker_id, None)  # a restarted decode worker publishes a new one
+        if rooms:
+            logger.warning("peer worker %s (incarnation %s) is dead (%s): its %d room(s) here fail where still "
+                           "open and are fenced", body.worker_id, body.incarnation or "any", body.reason, len(rooms))
+            worker.peer_dead(rooms, f"{body.reason} (worker {body.worker_id})")
+        return JSONResponse(PeerDeadResult(rooms=len(rooms)).wire())
+
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         if role is Role.PREFILL:
@@ -205,6 +227,8 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
             q = worker.submit(body.request_id, body.prompt_ids, body.params, peer)
         except (TypeError, ValueError) as e:
             return error(ErrorCode.BAD_REQUEST, str(e))
+        if peer is not None:
+            peer_rooms.add(body.request_id, peer.worker_id, body.prefill_incarnation)
         return StreamingResponse(_stream(worker, body.request_id, q), media_type=NDJSON)
 
     async def _stream(w: Worker, rid: str, q: asyncio.Queue) -> AsyncIterator[bytes]:
@@ -222,6 +246,7 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
                     return
         finally:
             w.release(rid)
+            peer_rooms.ended(rid)
             if not finished:  # the client went away: free its blocks now
                 w.reader_left(rid)
 
@@ -249,6 +274,7 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
                 return error(ErrorCode.PREFILL_FAILED, why)
             peer = KVPeer(body.decode.worker_id, tuple(ranks), tuple(body.decode.blocks))
             q = worker.submit(rid, body.prompt_ids, body.params, peer)
+            peer_rooms.add(rid, body.decode.worker_id, body.decode.incarnation)
         except (TypeError, ValueError, KeyError) as e:
             return error(ErrorCode.BAD_REQUEST, str(e))
         except httpx.HTTPError as e:
@@ -270,6 +296,7 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
                     return error(ErrorCode.ABORTED, out.error or "aborted")
         finally:
             worker.release(rid)
+            peer_rooms.ended(rid)
             if not done:
                 worker.reader_left(rid)
 

@@ -241,6 +241,12 @@ class Worker:
         self._wake.set()
         return counted
 
+    def peer_dead(self, rooms: list[str], reason: str) -> None:
+        """The peer worker of these rooms died: they fail and are fenced on every rank, in the
+        next step (their blocks come back; a request still waiting for its KV ends with an error)."""
+        self.engine.peer_dead(rooms, reason)
+        self._wake.set()
+
     def reader_left(self, request_id: str) -> None:
         """The request's HTTP stream closed before its finish: abort it now; who asked is
         counted when the router's /abort says (aborts.py)."""

@@ -31,7 +31,7 @@ SPEC = Path(__file__).parent / "openai_spec" / "openapi.json"
 MODEL = "SmolLM2-135M-Instruct"
 MAX_OUTPUT = 4
 MAX_N = 2
-EXAMPLES = {("POST", "/chat/completions"): 100, ("POST", "/completions"): 80, ("GET", "/models"): 5}
+EXAMPLES = {("POST", "/chat/completions"): 60, ("POST", "/completions"): 50, ("GET", "/models"): 5}
 
 # The refusals pdserve makes on purpose (README, "Deliberate refusals"): the error message matched.
 DELIBERATE = {

@@ -186,3 +186,104 @@ def test_the_router_lease_runs_out_only_without_router_calls():
     off = RouterLease(0.0, clock=lambda: now[0])
     now[0] = 1e9
     assert not off.enabled and not off.expired()
+
+
+# ---- a dead worker's peers are told (issue 20: its rooms fail within 2 s) --------------------------
+
+
+def _info(role: Role, worker_id: str, incarnation: str) -> Info:
+    return Info(role=role, worker_id=worker_id, model="m", max_model_len=2048, block_size=16, num_blocks=64,
+                tp=1, eos_token_ids=[2], max_num_seqs=2, incarnation=incarnation)
+
+
+class Notices:
+    """The worker calls of the pool, answered from `infos` (URL → its /info now), and the
+    /peers/dead notices it sends, recorded as (URL, body)."""
+
+    def __init__(self, infos: dict[str, Info]) -> None:
+        self.infos, self.sent = infos, []
+
+    async def health(self, url: str, timeout_s: float) -> Probe:
+        return Probe(True, "ok", 1)
+
+    async def info(self, url: str, timeout_s: float) -> Info:
+        return self.infos[url]
+
+    async def load(self, url: str, timeout_s: float) -> None:
+        return None
+
+    async def peer_dead(self, url: str, body, timeout_s: float) -> int:
+        self.sent.append((url, body))
+        return 1
+
+
+def test_the_peers_of_a_dead_worker_hear_which_process_died():
+    from pdserve.frontend.workers import WorkerPool
+
+    async def run() -> None:
+        infos = {"http://p:1": _info(Role.PREFILL, "p", "inc-1"), "http://d0:1": _info(Role.DECODE, "d0", "x"),
+                 "http://d1:1": _info(Role.DECODE, "d1", "y")}
+        client = Notices(infos)
+        pool = WorkerPool(client, ["p:1"], ["d0:1", "d1:1"], [])
+        await pool.probe_all()
+        prefill = pool.of_role(Role.PREFILL)[0]
+        pool.expect_back(prefill.url, True)  # its supervisor saw it exit: /info is forgotten, not who it was
+        assert prefill.info is None
+        await pool.peer_dead(prefill.url, "the prefill worker was killed by SIGKILL")
+        assert sorted(url for url, _ in client.sent) == ["http://d0:1", "http://d1:1"]  # the decode side only
+        body = client.sent[0][1]
+        assert (body.worker_id, body.incarnation, body.reason) == ("p", "inc-1", "the prefill worker was killed by SIGKILL")
+        # restarted with the same worker id (a container restart): a new incarnation at its URL
+        # is proof the old process is gone, and the notice names the old one
+        client.sent.clear()
+        infos["http://p:1"] = _info(Role.PREFILL, "p", "inc-2")
+        await pool.probe(prefill)
+        await asyncio.gather(*pool._notices)
+        assert [(b.worker_id, b.incarnation) for _, b in client.sent] == [("p", "inc-1")] * 2
+        client.sent.clear()
+        pool.observe(prefill, Probe(False, "refused"))  # a refused port alone is not proof: no notice
+        await pool.probe(prefill)  # the same process answers again
+        assert client.sent == []
+
+    asyncio.run(run())
+
+
+def test_a_notice_picks_the_rooms_of_the_dead_process_only():
+    from pdserve.worker.peers import PeerRooms
+
+    clock = [0.0]
+    rooms = PeerRooms(keep_s=60.0, clock=lambda: clock[0])
+    rooms.add("a", "p", "inc-1")
+    rooms.add("b", "p", "inc-2")   # its restarted successor, same worker id
+    rooms.add("c", "p", None)      # the router did not say which process: taken as the dead one's
+    rooms.add("d", "q", "inc-1")
+    rooms.add("e", "p", "inc-1")
+    rooms.ended("e")
+    clock[0] = 30.0
+    assert rooms.take("p", "inc-1") == ["a", "c", "e"]  # an ended room may hold blocks until fenced
+    assert rooms.take("p", "inc-1") == []  # settled: a repeated notice finds nothing
+    assert rooms.take("p", None) == ["b"]
+    rooms.add("f", "q", "inc-1")
+    rooms.ended("f")
+    clock[0] = 91.0
+    assert rooms.take("q", "inc-1") == ["d"] and len(rooms) == 0  # "f" ended more than keep_s ago
+
+
+def test_the_supervisor_waits_until_no_rank_of_a_dead_worker_is_left(tmp_path):
+    """A worker whose rank 0 exited while a rank it spawned lives on (here: ignores SIGTERM):
+    `end_group` kills the rest of its process group and returns once none is alive."""
+    import subprocess
+    import sys
+
+    from pdserve.launcher import Child, end_group, group_members
+
+    script = ("import os, signal, subprocess, sys, time\n"
+              "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)'])\n"
+              "print('ready', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout.readline().strip() == b"ready"
+    proc.wait(timeout=10)  # rank 0 is gone; its rank is not
+    assert len(group_members(proc.pid)) == 1
+    assert end_group(Child("prefill", "http://127.0.0.1:1", proc), timeout_s=5.0)
+    assert group_members(proc.pid) == []

@@ -56,6 +56,7 @@ def test_default_model_quantizes_to_nvfp4_layers(nvfp4_default_dir):
 def test_nvfp4_perplexity_stays_near_fp32(default_model_dir, nvfp4_default_dir):
     ids = Tokenizer(default_model_dir).encode(TEXT.read_text(encoding="utf-8"))
     assert len(ids) > 2000
+    ids = ids[:2 * WINDOW + 1]  # two windows: enough tokens for a stable ratio, in half the time
     fp32 = perplexity(load_model(default_model_dir), ids)
     w4a16 = perplexity(load_model(nvfp4_default_dir, nvfp4_mode="w4a16"), ids)
     w4a4 = perplexity(load_model(nvfp4_default_dir, nvfp4_mode="w4a4"), ids)

@@ -244,3 +244,43 @@ def _capture(errors: list[BaseException], fn: Callable[[], Any]) -> None:
         fn()
     except BaseException as e:  # noqa: BLE001 - the test inspects it
         errors.append(e)
+
+
+def test_a_dead_peer_notice_fails_and_fences_the_targets_rooms_at_once() -> None:
+    """The source never connected (it died first): only the notice can end these rooms before
+    the fence lease. A waiting room fails and is fenced; an aborted one is fenced; a completed
+    room is left alone; a room not allocated yet is refused later."""
+    p = Pair(fence_lease_s=30.0)
+    peer = p.connect()
+    p.target.expect("done", p.source.name)
+    assert p.source.write("done", peer, [0], [0], b"t")
+    p.pump(lambda: RoomDone("done", b"t", p.source.name) in p.tev)
+    target = NixlTarget("pdserve-decode-gone-tp0", make_pool(), TransferConfig(fence_lease_s=30.0))
+    dead = "pdserve-prefill-never-connected-tp0"
+    for room in ("waiting", "aborted"):
+        assert target.expect(room, dead)
+    target.abort("aborted")
+    target.poll()
+    target.peer_gone(["waiting", "aborted", "later"], "killed")
+    events = target.poll()
+    assert events == [RoomFailed("waiting", "the prefill worker is dead: killed"),
+                      Fenced("waiting", "peer dead: killed"), Fenced("aborted", "peer dead: killed")]
+    assert target.expect("later", dead) is False  # its tombstone refuses the late allocation
+    p.target.peer_gone(["done"], "killed")
+    assert p.target.poll() == [] and p.target.state("done") is RoomState.DONE
+    assert target.metrics()["peer_dead_failed_rooms"] == 1
+    target.close()
+    p.close()
+
+
+def test_a_dead_peer_notice_fails_the_sources_rooms_and_refuses_their_writes(pair: Pair) -> None:
+    """Decode died: a room not written yet is refused when its KV is ready (the prefill does not
+    write into a dead worker); a room already written is left alone."""
+    peer = pair.connect()
+    pair.target.expect("w", pair.source.name)
+    assert pair.source.write("w", peer, [0], [0])
+    pair.pump(lambda: RoomWritten("w", peer) in pair.sev)
+    pair.source.peer_gone(["w", "next"], "killed")
+    assert pair.source.poll() == []
+    assert pair.source.state("w") is RoomState.DONE and pair.source.state("next") is RoomState.FAILED
+    assert pair.source.write("next", peer, [1], [1]) is False

@@ -19,8 +19,17 @@ def rooms_terminal(w) -> bool:
     return w.get("/load").json()["rooms_live"] == 0
 
 
-def in_flight(load: dict, running: int) -> bool:
-    return load["running"] >= running and load["rooms_live"] >= 1
+async def abort_window(c: PDClient, decode, tasks: list[asyncio.Task], running: int) -> None:
+    """Wait until at least `running` requests decode on `decode` while rooms there still wait
+    for their KV (read live from its scheduler: `transferring`); fail at once if the round
+    ended first, which would make the abort hit nothing in flight."""
+    while True:
+        load = (await c.http.get(decode.url + "/load")).json()
+        if load["running"] >= running and load["transferring"] >= 1:
+            return
+        if all(t.done() for t in tasks):
+            raise AssertionError(f"every request ended before the abort window opened: {load}")
+        await asyncio.sleep(0.02)
 
 
 @pytest.mark.e2e
@@ -39,8 +48,7 @@ def test_mass_abort_under_tp2_pd(tiny_llama4_dir):
                                                     {**GREEDY, "max_tokens": 200}))
                      for i in range(300)]
             # the abort comes while requests decode and rooms are still waiting for their KV
-            while not in_flight((await c.http.get(decode.url + "/load")).json(), k + 1):
-                await asyncio.sleep(0.02)
+            await abort_window(c, decode, tasks, k + 1)
             health = await c.http.get(decode.url + "/health")
             assert health.status_code == 200, health.text
             for t in tasks:  # the client side of a mass abort: every stream goes away at once

@@ -16,14 +16,16 @@ import pytest
 
 from .conftest import PDClient, pool_full, start_worker, wait_for
 from .test_tp import GREEDY, assert_equal_greedy, reference, run_all
-from .test_tp_mass_abort import in_flight, rooms_terminal
+from .test_tp_mass_abort import abort_window, rooms_terminal
 
 STREAMS = 100
 ROUNDS = 2
 # per rank: 1 MiB holds 128 blocks of the tiny model's KV shard (2 layers, 2 KV heads of 16,
 # 16 tokens, fp32), fewer than the streams' prompts need: the prefill pool evicts to the host tier
 FLAGS = ("--tp", "2", "--check-divergence", "2", "--max-num-seqs", "64")
-PREFILL_FLAGS = ("--kv-cache-memory", "1MiB", "--host-cache-memory", "1MiB")
+# and a small step budget makes its prefills take many steps, which keeps the window in which
+# requests decode while other rooms wait for their KV open long enough to abort inside it
+PREFILL_FLAGS = ("--kv-cache-memory", "1MiB", "--host-cache-memory", "1MiB", "--max-num-batched-tokens", "64")
 
 
 def prompts(rng: random.Random, n: int, least: int = 5) -> list[list[int]]:
@@ -58,8 +60,7 @@ def test_mass_abort_with_shared_prefixes_and_a_host_tier_under_tp2_pd(tiny_llama
             tasks = [asyncio.create_task(c.generate(f"m{k}-{i}", p, {**GREEDY, "max_tokens": 100}))
                      for i, p in enumerate(batch)]
             # the abort comes while requests decode and rooms are still waiting for their KV
-            while not in_flight((await c.http.get(decode.url + "/load")).json(), k + 1):
-                await asyncio.sleep(0.02)
+            await abort_window(c, decode, tasks, k + 1)
             for t in tasks:  # every stream goes away at once
                 t.cancel()
             await asyncio.gather(*(c.abort(f"m{k}-{i}") for i in range(STREAMS)))

@@ -1,0 +1,134 @@
+// Fused decode blocks of a Llama-style decoder layer: one native call for each half of a layer,
+// so a decode step makes 2 calls a layer instead of ~10 Python-dispatched ops (their overhead,
+// not their arithmetic, was most of a small batch's non-matmul time).
+//
+//   attention block: x += residual; h = rms_norm(x) * w; qkv = h . Wqkv^T; RoPE on q and k;
+//                    k, v stored in the paged cache; paged decode attention; out = o . Wo^T
+//   MLP block:       x += residual; h = rms_norm(x) * w; gu = h . Wgu^T; a = silu(g) * u;
+//                    out = a . Wdown^T
+//
+// Each returns the row-parallel projection's output before any tensor-parallel sum: the caller
+// all-reduces between the blocks, so TP > 1 runs the same calls. Every step is one of the
+// library's tested kernels (qmatmul_f32, add_rms_norm_row, decode_attention) or layer_ops.h.
+// Compiled with baseline flags (it only calls the ISA units after `pick`).
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "attention.h"
+#include "dispatch.h"
+#include "layer_ops.h"
+#include "norm.h"
+#include "qgemm.h"
+
+namespace pds_cpu {
+namespace {
+
+bool formats_ok(int a, int b) { return a >= Q4_0 && a <= Q8_0 && b >= Q4_0 && b <= Q8_0; }
+
+// Per-call scratch reused across calls (one decode step calls each block once per layer).
+thread_local std::vector<float> t_norm, t_mid, t_act;
+
+// One projection: packed for the int16-activation path when `qs` is given, else GGUF blocks.
+void project(const Kernels* k, int fmt, const uint8_t* w, const uint8_t* qs, const float* dm,
+             const float* x, int64_t M, int64_t K, int64_t N, float* y, int threads) {
+  if (qs != nullptr) {
+    qmatmul_packed(PackedQ4{qs, dm, K / QK + (K / QK) % 2}, x, M, K, N, y, threads);
+  } else {
+    qmatmul_f32(k, fmt, x, M, K, w, N, y, threads);
+  }
+}
+
+float* grow(std::vector<float>& v, int64_t n) {
+  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
+  return v.data();
+}
+
+void norm_rows(float* x, const float* residual, const float* w, float* out, int64_t rows,
+               int64_t dim, float eps) {
+  for (int64_t r = 0; r < rows; ++r)
+    add_rms_norm_row_avx2(x + r * dim, residual ? residual + r * dim : nullptr, w, out + r * dim, dim, eps);
+}
+
+}  // namespace
+}  // namespace pds_cpu
+
+using namespace pds_cpu;
+
+extern "C" {
+
+// x [B][hidden] (x += residual when residual is not null: x becomes the residual stream),
+// weights in GGUF blocks, each also packed (qs, dm: qgemv_packed.h) or not (null) (qkv: (heads + 2 kv_heads) * head_dim rows of `hidden`; o: hidden rows
+// of heads * head_dim), cos/sin [B][head_dim / 2], caches [blocks][block_size][kv_heads][head_dim]
+// fp32, slots [B] (block * block_size + offset of each new token), tables [B][table_stride],
+// lens [B] (context lengths, the new token included), out [B][hidden]. Returns 0, 1 when the
+// instruction set is unavailable, 2 for bad arguments.
+__attribute__((visibility("default"))) int pds_cpu_decode_attention_block(
+    float* x, const float* residual, const float* norm_w, float eps, int qkv_fmt,
+    const uint8_t* qkv_w, const uint8_t* qkv_qs, const float* qkv_dm, int o_fmt, const uint8_t* o_w,
+    const uint8_t* o_qs, const float* o_dm, const float* cos, const float* sin,
+    float* k_cache, float* v_cache, const int64_t* slots, const int64_t* tables,
+    int64_t table_stride, const int64_t* lens, int64_t B, int64_t hidden, int64_t heads,
+    int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out, int isa,
+    int threads) {
+  const Kernels* k = pick(isa);
+  if (k == nullptr || ((qkv_qs || o_qs) && pick(ISA_AVX512) == nullptr)) return 1;
+  const int64_t qkv_n = (heads + 2 * kv_heads) * head_dim, o_k = heads * head_dim;
+  if (!formats_ok(qkv_fmt, o_fmt) || B < 0 || hidden <= 0 || hidden % QK || o_k % QK || kv_heads <= 0 ||
+      heads % kv_heads || head_dim <= 0 || head_dim % 2 || block_size <= 0)
+    return 2;
+  for (int64_t b = 0; b < B; ++b)
+    if (lens[b] <= 0 || slots[b] < 0) return 2;
+  if (B == 0) return 0;
+  float* h = grow(t_norm, B * hidden);
+  float* qkv = grow(t_mid, B * qkv_n);
+  float* att = grow(t_act, B * o_k);
+  norm_rows(x, residual, norm_w, h, B, hidden, eps);
+  project(k, qkv_fmt, qkv_w, qkv_qs, qkv_dm, h, B, hidden, qkv_n, qkv, threads);
+  const int64_t half = head_dim / 2, row = kv_heads * head_dim;
+  for (int64_t b = 0; b < B; ++b) {  // RoPE on q and k (neighbours), then k and v into the cache
+    float* t = qkv + b * qkv_n;
+    rotary_halves_avx2(t, heads + kv_heads, head_dim, cos + b * half, sin + b * half);
+    std::memcpy(k_cache + slots[b] * row, t + heads * head_dim, row * sizeof(float));
+    std::memcpy(v_cache + slots[b] * row, t + (heads + kv_heads) * head_dim, row * sizeof(float));
+  }
+  const DecodeAttention a{qkv, qkv_n, k_cache, v_cache, tables, table_stride, lens, att,
+                          heads, kv_heads, head_dim, block_size, scale};
+  const int64_t units = B * kv_heads;
+  const int team = std::max(1, std::min<int>(threads, static_cast<int>(units)));
+#pragma omp parallel num_threads(team) if (team > 1)
+  {
+    std::vector<float> scratch(decode_attention_scratch(a));
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < units; ++u) decode_attention_avx2(a, u / kv_heads, u % kv_heads, scratch.data());
+  }
+  project(k, o_fmt, o_w, o_qs, o_dm, att, B, o_k, hidden, out, threads);
+  return 0;
+}
+
+// x [B][hidden] (x += residual as above), gate_up: 2 * inter rows of `hidden` (gate rows first),
+// down: hidden rows of `inter`, out [B][hidden]. Returns 0, 1 or 2 as above.
+__attribute__((visibility("default"))) int pds_cpu_decode_mlp_block(
+    float* x, const float* residual, const float* norm_w, float eps, int gu_fmt, const uint8_t* gu_w,
+    const uint8_t* gu_qs, const float* gu_dm, int down_fmt, const uint8_t* down_w, const uint8_t* down_qs,
+    const float* down_dm, int64_t B, int64_t hidden, int64_t inter, float* out,
+    int isa, int threads) {
+  const Kernels* k = pick(isa);
+  if (k == nullptr || ((gu_qs || down_qs) && pick(ISA_AVX512) == nullptr)) return 1;
+  if (!formats_ok(gu_fmt, down_fmt) || B < 0 || hidden <= 0 || hidden % QK || inter <= 0 || inter % QK)
+    return 2;
+  if (B == 0) return 0;
+  float* h = grow(t_norm, B * hidden);
+  float* gu = grow(t_mid, B * 2 * inter);
+  float* act = grow(t_act, B * inter);
+  norm_rows(x, residual, norm_w, h, B, hidden, eps);
+  project(k, gu_fmt, gu_w, gu_qs, gu_dm, h, B, hidden, 2 * inter, gu, threads);
+  for (int64_t b = 0; b < B; ++b) silu_mul_avx2(gu + b * 2 * inter, gu + b * 2 * inter + inter, act + b * inter, inter);
+  project(k, down_fmt, down_w, down_qs, down_dm, act, B, inter, hidden, out, threads);
+  return 0;
+}
+
+}  // extern "C"

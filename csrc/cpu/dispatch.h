@@ -1,0 +1,25 @@
+// What dispatch.cpp shares with the other baseline-flag units (decode_block.cpp): the run-time
+// choice of instruction set and the fp32-activation quantized matmul split over threads.
+#pragma once
+#include <cstdint>
+
+#include "qgemm.h"
+#include "qgemv_packed.h"
+
+namespace pds_cpu {
+
+// The kernels of instruction set `isa` (Isa; ISA_AUTO: the best this CPU runs), null if none.
+const Kernels* pick(int isa);
+
+// y[M][N] = x[M][K] . dequant(w)^T on fp32 activations (panels from k->panel_min_rows rows, the
+// in-register dot path below), N split over `threads` OpenMP threads.
+void qmatmul_f32(const Kernels* k, int fmt, const float* x, int64_t M, int64_t K, const uint8_t* w,
+                 int64_t N, float* y, int threads);
+
+// y[M][N] = x[M][K] . W^T for W packed (qgemv_packed.h), N split over `threads` threads. Only
+// after pick(ISA_AVX512) succeeded.
+void qmatmul_packed(const PackedQ4& w, const float* x, int64_t M, int64_t K, int64_t N, float* y,
+                    int threads);
+
+
+}  // namespace pds_cpu

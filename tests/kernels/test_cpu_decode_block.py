@@ -1,0 +1,149 @@
+"""The fused decode blocks of a decoder layer (csrc/cpu/decode_block.cpp: one native call for
+the attention half, one for the MLP half) against their torch references (pdserve_kernels.
+decode_layer), which compose the reference ops: rms_norm, dequantize-then-matmul, rotate-half
+RoPE, store_kv and paged attention.
+
+Random weights in each block format, scattered and padded block tables, contexts on and off block
+boundaries, GQA, a head size that is not a multiple of the SIMD width (24), hidden sizes of a few
+blocks, the first layer's call (no residual) and a later one, on each instruction set.
+
+Bound, and why: both sides compute in fp32 from the same inputs and differ only in summation
+order and in the exp polynomial (≈2e-7 relative). A matmul output's error is at most about
+K · 2⁻²⁴ · Σ|terms| (K ≤ 192 here: ≈1e-5 relative to Σ|terms|); the norm, RoPE and SwiGLU add a
+few ulps; attention outputs are convex combinations of value rows, so score errors of that size
+move them by about as much. The o/down projections then sum ≤ 192 such terms. 1e-4 of the
+output's scale (its largest magnitude) leaves a 10× margin; the residual stream, RoPE'd keys
+and values written to the cache are elementwise fp32 and compared with 1e-5.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve_kernels import cpu_lib, decode_layer
+from pdserve_kernels.quant import Q4_0, Q4_1, Q8_0, pack_q4, quantize
+
+ISAS = [isa for isa in ("avx2", "avx512") if cpu_lib.isa_supported(isa)]
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
+    torch.testing.assert_close(actual, expected, rtol=rel, atol=rel * float(expected.abs().max()))
+
+
+def _tables(lens: list[int], block_size: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+    per_seq = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(per_seq) + 2
+    order = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lens), max(per_seq) + 1, dtype=torch.long)  # padded, as the runner does
+    used = 0
+    for i, n in enumerate(per_seq):
+        tables[i, :n] = order[used:used + n]
+        used += n
+    slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
+                          for i, n in enumerate(lens)])
+    return tables, slots, num_blocks
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("lens,hidden,heads,kv_heads,head_dim,fmts,first", [
+    ([1], 96, 3, 1, 32, (Q4_1, Q4_1), True),
+    ([17, 40, 5], 64, 4, 2, 24, (Q8_0, Q4_0), False),
+    ([33, 16], 128, 2, 2, 64, (Q4_0, Q8_0), False),
+])
+def test_attention_block_equals_reference(isa, lens, hidden, heads, kv_heads, head_dim, fmts, first):
+    g = torch.Generator().manual_seed(len(lens) * hidden)
+    B, block_size = len(lens), 16
+    tables, slots, num_blocks = _tables(lens, block_size, g)
+    x = torch.randn(B, hidden, generator=g)
+    residual = None if first else torch.randn(B, hidden, generator=g)
+    norm_w = torch.rand(hidden, generator=g) + 0.5
+    qkv_w = quantize(torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g) * 0.1, fmts[0])
+    o_w = quantize(torch.randn(hidden, heads * head_dim, generator=g) * 0.1, fmts[1])
+    angles = torch.rand(B, head_dim // 2, generator=g) * 6.28
+    cos, sin = angles.cos(), angles.sin()
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    lens_t = torch.tensor(lens)
+    args = (0.1 if first else 1e-5, qkv_w, fmts[0], o_w, fmts[1], cos, sin)
+    x_ref, kc_ref, vc_ref = x.clone(), k_cache.clone(), v_cache.clone()
+    ref = decode_layer.decode_attention_block(x_ref, residual, norm_w, *args, kc_ref, vc_ref, slots, tables,
+                                              lens_t, heads, kv_heads, head_dim ** -0.5)
+    out = torch.empty(B, hidden)
+    cpu_lib.decode_attention_block(x, residual, norm_w, args[0], fmts[0].code, qkv_w, fmts[1].code, o_w, cos,
+                                   sin, k_cache, v_cache, slots, tables, lens_t, heads, kv_heads,
+                                   head_dim ** -0.5, out, isa=isa)
+    _close(out, ref, 1e-4)
+    _close(x, x_ref, 1e-5)  # the residual stream (x + residual), or x untouched
+    _close(k_cache, kc_ref, 1e-5)
+    _close(v_cache, vc_ref, 1e-5)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("B,hidden,inter,fmts,first", [
+    (1, 96, 160, (Q4_1, Q4_1), False),
+    (5, 64, 96, (Q8_0, Q4_0), True),
+    (19, 128, 64, (Q4_0, Q8_0), False),  # panels on AVX-512 (16+ rows)
+])
+def test_mlp_block_equals_reference(isa, B, hidden, inter, fmts, first):
+    g = torch.Generator().manual_seed(B * hidden + inter)
+    x = torch.randn(B, hidden, generator=g)
+    residual = None if first else torch.randn(B, hidden, generator=g)
+    norm_w = torch.rand(hidden, generator=g) + 0.5
+    gu_w = quantize(torch.randn(2 * inter, hidden, generator=g) * 0.2, fmts[0])
+    down_w = quantize(torch.randn(hidden, inter, generator=g) * 0.2, fmts[1])
+    x_ref = x.clone()
+    ref = decode_layer.decode_mlp_block(x_ref, residual, norm_w, 1e-5, gu_w, fmts[0], down_w, fmts[1])
+    out = torch.empty(B, hidden)
+    cpu_lib.decode_mlp_block(x, residual, norm_w, 1e-5, fmts[0].code, gu_w, fmts[1].code, down_w, inter, out,
+                             isa=isa)
+    _close(out, ref, 1e-4)
+    _close(x, x_ref, 1e-5)
+
+
+def test_op_api_variant_runs_native_and_falls_back_on_other_layouts():
+    """The op's CPU variant: the same result as the reference, and a layout the kernel does not
+    take (a non-contiguous input) runs the reference instead of failing."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(3, 64, generator=g)
+    norm_w = torch.rand(64, generator=g) + 0.5
+    gu_w = quantize(torch.randn(192, 64, generator=g) * 0.2, Q4_1)
+    down_w = quantize(torch.randn(64, 96, generator=g) * 0.2, Q4_1)
+    ref = decode_layer.decode_mlp_block(x.clone(), None, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_1)
+    _close(decode_layer.decode_mlp_block_cpu(x.clone(), None, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_1), ref, 1e-4)
+    strided = torch.randn(64, 3, generator=g).T.copy_(x)
+    _close(decode_layer.decode_mlp_block_cpu(strided, None, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_1), ref, 1e-4)
+
+
+@pytest.mark.skipif(not cpu_lib.isa_supported("avx512"), reason="the packed path is AVX-512 only")
+@pytest.mark.parametrize("B", [1, 2])
+def test_blocks_with_packed_weights_stay_near_reference(B):
+    """Batch-1/2 decode multiplies by the packed Q4 weights (int16 activations). The only change
+    from the fp32 path is the int16 rounding of each projection's input, ≤ amax/65534 per value
+    of a block (1.5e-5 of the block's largest); through RMSNorm-free sums of ≤ 192 terms and
+    SwiGLU (slope ≤ 1.1) that moves outputs by < 5e-4 of their scale here: asserted 1e-3."""
+    g = torch.Generator().manual_seed(11 + B)
+    hidden, heads, kv_heads, head_dim, inter, block_size = 96, 3, 1, 32, 160, 16
+    lens = [20, 3][:B]
+    tables, slots, num_blocks = _tables(lens, block_size, g)
+    x = torch.randn(B, hidden, generator=g)
+    residual = torch.randn(B, hidden, generator=g)
+    norm_w = torch.rand(hidden, generator=g) + 0.5
+    qkv_w = quantize(torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g) * 0.1, Q4_1)
+    o_w = quantize(torch.randn(hidden, heads * head_dim, generator=g) * 0.1, Q4_0)
+    angles = torch.rand(B, head_dim // 2, generator=g) * 6.28
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    attn = (angles.cos(), angles.sin(), k_cache, v_cache, slots, tables, torch.tensor(lens), heads, kv_heads,
+            head_dim ** -0.5)
+    ref = decode_layer.decode_attention_block(x.clone(), residual, norm_w, 1e-5, qkv_w, Q4_1, o_w, Q4_0,
+                                              *attn[:2], k_cache.clone(), v_cache.clone(), *attn[4:])
+    out = decode_layer.decode_attention_block_cpu(x.clone(), residual, norm_w, 1e-5, qkv_w, Q4_1, o_w, Q4_0,
+                                                  *attn, qkv_packed=pack_q4(qkv_w, Q4_1),
+                                                  o_packed=pack_q4(o_w, Q4_0))
+    _close(out, ref, 1e-3)
+    gu_w = quantize(torch.randn(2 * inter, hidden, generator=g) * 0.2, Q4_1)
+    down_w = quantize(torch.randn(hidden, inter, generator=g) * 0.2, Q4_0)
+    ref = decode_layer.decode_mlp_block(x.clone(), residual, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_0)
+    out = decode_layer.decode_mlp_block_cpu(x.clone(), residual, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_0,
+                                            pack_q4(gu_w, Q4_1), pack_q4(down_w, Q4_0))
+    _close(out, ref, 1e-3)
