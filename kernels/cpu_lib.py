@@ -261,6 +261,15 @@ def packed_supported() -> bool:
     return default_isa() != "avx2" and isa_supported("avx512")
 
 
+def int16_activations() -> bool:
+    """Whether Q4 layers are packed at load for the int16-activation decode path: only when asked
+    ($PDSERVE_INT16_ACTIVATIONS=1) and `packed_supported()`. Off by default: it is faster at batch
+    1, but its rounding moves near-ties, so greedy tokens can differ from the fp32 path's, and
+    with prefill's row-count-dependent kernels, between a request alone and among others
+    (docs/cpu-kernels.md)."""
+    return os.environ.get("PDSERVE_INT16_ACTIVATIONS", "0") == "1" and packed_supported()
+
+
 def qmatmul_packed(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, n: int, k: int,
                    threads: int | None = None) -> torch.Tensor:
     """y[M, n] = x[M, k] @ W^T for W packed by `pdserve_kernels.quant.packed.pack_q4` (AVX-512;

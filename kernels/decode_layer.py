@@ -18,7 +18,7 @@ import torch
 from . import cpu_lib
 from .attention import paged_attention, store_kv
 from .norm import rms_norm
-from .quant import PACKED_MAX_ROWS, BlockFormat, PackedQ4, qmatmul_torch
+from .quant import BlockFormat, PackedQ4, qmatmul_torch
 
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -68,7 +68,8 @@ def decode_attention_block_cpu(x: torch.Tensor, residual: torch.Tensor | None, n
                                qkv_packed: PackedQ4 | None = None, o_packed: PackedQ4 | None = None
                                ) -> torch.Tensor:
     """One native call (same arguments and result as the reference; packed weights, when given,
-    multiply up to PACKED_MAX_ROWS tokens); other layouts run the reference."""
+    multiply every row, so that a row's result never depends on the batch's size); other
+    layouts run the reference."""
     ints = (slots, tables, lens)
     if not (_fp32_rows(x, residual, norm_w, cos, sin, k_cache, v_cache)
             and all(t.dtype == torch.int64 and t.stride(-1) == 1 for t in ints)
@@ -77,10 +78,9 @@ def decode_attention_block_cpu(x: torch.Tensor, residual: torch.Tensor | None, n
         return decode_attention_block(x, residual, norm_w, eps, qkv_w, qkv_fmt, o_w, o_fmt, cos, sin,
                                       k_cache, v_cache, slots, tables, lens, heads, kv_heads, scale)
     out = torch.empty(x.shape[0], o_w.shape[0], dtype=torch.float32)
-    few = x.shape[0] <= PACKED_MAX_ROWS
     return cpu_lib.decode_attention_block(x, residual, norm_w, eps, qkv_fmt.code, qkv_w, o_fmt.code, o_w,
                                           cos, sin, k_cache, v_cache, slots, tables, lens, heads, kv_heads,
-                                          scale, out, qkv_packed if few else None, o_packed if few else None)
+                                          scale, out, qkv_packed, o_packed)
 
 
 def decode_mlp_block_cpu(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
@@ -92,6 +92,5 @@ def decode_mlp_block_cpu(x: torch.Tensor, residual: torch.Tensor | None, norm_w:
         return decode_mlp_block(x, residual, norm_w, eps, gu_w, gu_fmt, down_w, down_fmt)
     out = torch.empty(x.shape[0], down_w.shape[0], dtype=torch.float32)
     inter = gu_w.shape[0] // 2
-    few = x.shape[0] <= PACKED_MAX_ROWS
     return cpu_lib.decode_mlp_block(x, residual, norm_w, eps, gu_fmt.code, gu_w, down_fmt.code, down_w,
-                                    inter, out, gu_packed if few else None, down_packed if few else None)
+                                    inter, out, gu_packed, down_packed)

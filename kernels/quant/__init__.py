@@ -16,7 +16,7 @@ from .packed import PackedQ4, pack_q4, packable
 from .reference import (dequantize, qmatmul_emulated, qmatmul_torch, quantize,
                         quantize_activations)
 
-__all__ = ["BLOCK", "FORMATS", "PACKED_MAX_ROWS", "Q4_0", "Q4_1", "Q8_0", "BlockFormat", "PackedQ4",
+__all__ = ["BLOCK", "FORMATS", "Q4_0", "Q4_1", "Q8_0", "BlockFormat", "PackedQ4",
            "block_format", "dequantize", "native_available", "pack_q4", "packable", "qmatmul",
            "qmatmul_emulated", "qmatmul_native", "qmatmul_packed_cpu", "qmatmul_packed_reference",
            "qmatmul_torch", "quantize", "quantize_activations"]
@@ -31,10 +31,6 @@ def native_available() -> bool:
 # and multiplied by torch's fp32 GEMM: faster than either quantized path at that size.
 GEMM_MIN_ROWS = 64
 GEMM_SLICE = 4096
-# Up to this many rows a packed matrix (AVX-512) takes the int16-activation path: its cost grows
-# with the rows (no dequantized block is shared between them), so at 3+ rows the fp32 dot path,
-# which decodes each block once for 4 rows, is as fast (measured: 2.6x at 1 row, 1.2x at 2).
-PACKED_MAX_ROWS = 2
 
 
 def qmatmul_native(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, isa: str | None = None,
@@ -66,7 +62,7 @@ def qmatmul_packed_reference(x: torch.Tensor, raw: torch.Tensor, fmt: BlockForma
 def qmatmul_packed_cpu(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, packed: PackedQ4
                        ) -> torch.Tensor:
     """y = x W^T through the packed copy of W (the int16-activation path, AVX-512), any leading
-    dims, in x's dtype. Callers use it for up to PACKED_MAX_ROWS rows."""
+    dims, in x's dtype."""
     lead, k = x.shape[:-1], x.shape[-1]
     y = cpu_lib.qmatmul_packed(x.reshape(-1, k).to(torch.float32), packed.qs, packed.dm, raw.shape[0], k)
     return y.reshape(*lead, raw.shape[0]).to(x.dtype)

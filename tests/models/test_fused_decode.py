@@ -1,6 +1,6 @@
 """The fused decode path of a Llama with GGUF-block weights: a decode step runs two native calls
-per layer (and, on AVX-512, the packed int16 projections at batch 1-2), and generates the same
-greedy tokens as the op-by-op path it replaces, alone and in a batch.
+per layer (and, on AVX-512 with $PDSERVE_INT16_ACTIVATIONS=1, the packed int16 projections), and
+generates the same greedy tokens as the op-by-op path it replaces, alone and in a batch.
 
 The op-by-op path is what runs when the three ops are bound to their references (as
 `bench/offline.py --ab-op` does), so one engine serves both runs.
@@ -32,9 +32,11 @@ def op_by_op():
             dispatch.OPS[name].impl = impl
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama_dir):
-    return LLMEngine(EngineConfig(model=tiny_llama_dir, quantization="int4", kernels="native", max_num_seqs=4))
+@pytest.fixture(scope="module", params=["fp32-activations", "int16-activations"])
+def engine(tiny_llama_dir, request):
+    with pytest.MonkeyPatch.context() as mp:  # read when the weights load
+        mp.setenv("PDSERVE_INT16_ACTIVATIONS", "1" if request.param == "int16-activations" else "0")
+        return LLMEngine(EngineConfig(model=tiny_llama_dir, quantization="int4", kernels="native", max_num_seqs=4))
 
 
 def greedy(engine: LLMEngine, prompts: list[list[int]], tag: str) -> list[list[int]]:
@@ -50,12 +52,13 @@ def greedy(engine: LLMEngine, prompts: list[list[int]], tag: str) -> list[list[i
     return list(tokens.values())
 
 
-def test_a_block_quantized_llama_decodes_through_the_fused_blocks(engine):
+def test_a_block_quantized_llama_decodes_through_the_fused_blocks(engine, request):
     model = engine.model.model
     assert all(layer.can_fuse_decode() for layer in model.layers)
     assert ops.is_native(ops.decode_attention_block) and ops.is_native(ops.decode_mlp_block)
     packed = model.layers[0].mlp.gate_up_proj.packed
-    assert (packed is not None) == cpu_lib.packed_supported()  # AVX-512, not forced to AVX2
+    asked = request.node.callspec.params["engine"] == "int16-activations"
+    assert (packed is not None) == (asked and cpu_lib.packed_supported())  # AVX-512, not forced to AVX2
 
 
 @pytest.mark.parametrize("batch", [1, 3])

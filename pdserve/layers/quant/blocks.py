@@ -15,7 +15,7 @@ from torch import nn
 
 import pdserve_kernels as ops
 from pdserve_kernels import cpu_lib
-from pdserve_kernels.quant import BLOCK, PACKED_MAX_ROWS, BlockFormat, pack_q4, packable, quantize
+from pdserve_kernels.quant import BLOCK, BlockFormat, pack_q4, packable, quantize
 
 from . import LinearMethod, QuantConfigError, Shard, place, read_shard
 
@@ -34,7 +34,7 @@ class BlockQuantLinearMethod(LinearMethod):
                                    f"a multiple of the {self.fmt.name} block ({BLOCK})")
         layer.weight = nn.Parameter(torch.empty(out_features, self.fmt.row_bytes(in_features),
                                                 dtype=torch.uint8), requires_grad=False)
-        layer.packed = None  # the weight repacked for the batch-1 decode path (set by finish)
+        layer.packed = None  # the weight repacked for the fused decode blocks (set by finish)
 
     def load(self, layer: nn.Module, param: str, source, name: str, shard: Shard) -> None:
         if param != "weight":
@@ -42,19 +42,18 @@ class BlockQuantLinearMethod(LinearMethod):
         place(layer.weight, read_blocks(source, name, shard, self.fmt, self.on_load), shard, name)
 
     def finish(self, layer: nn.Module, dtype: torch.dtype) -> None:
-        """Q4_0/Q4_1 on a CPU running the native kernels with AVX-512: also keep the weight
+        """Q4_0/Q4_1 on a CPU running the native kernels with AVX-512, when asked
+        ($PDSERVE_INT16_ACTIVATIONS=1, `cpu_lib.int16_activations`): also keep the weight
         packed for the int16-activation path (pdserve_kernels.quant.packed; ≈6 bits a weight
-        more in memory), which batch-1 decode multiplies by at about twice the fp32 path's speed."""
+        more in memory), which the fused decode blocks multiply every decode row by (about twice
+        the fp32 path's speed at batch 1). Prefill and mixed batches (`apply`) keep the fp32
+        path: a decode row's numerics never depend on how many rows share its step."""
         if packable(self.fmt) and layer.weight.device.type == "cpu" and ops.is_native(ops.qmatmul_packed) \
-                and cpu_lib.packed_supported():
+                and cpu_lib.int16_activations():
             layer.packed = pack_q4(layer.weight.data, self.fmt)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.packed is not None and x.numel() <= PACKED_MAX_ROWS * x.shape[-1] \
-                and ops.is_native(ops.qmatmul_packed):
-            y = ops.qmatmul_packed(x, layer.weight, self.fmt, layer.packed)
-        else:
-            y = ops.qmatmul(x, layer.weight, self.fmt)
+        y = ops.qmatmul(x, layer.weight, self.fmt)
         return y + bias if bias is not None else y
 
 
