@@ -111,6 +111,8 @@ def worker_settings(args: argparse.Namespace, role: str) -> WorkerSettings:
 
 
 def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
+    """Run a worker (or a follower node's ranks) until it stops; the process then exits with its
+    status (`leave`). Returns only for settings refused before anything starts (2)."""
     try:
         settings = worker_settings(args, role)
         check(Settings(model=args.model, tp=args.tp, host=args.host, port=args.port,
@@ -127,7 +129,7 @@ def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
     if not settings.layout.leader:
         from .follower import run_follower
 
-        return run_follower(settings, engine_config, args.host, args.port)
+        leave(run_follower(settings, engine_config, args.host, args.port))
     model_name, _ = served_name(args.model, args.served_model_name)
     server: uvicorn.Server | None = None
 
@@ -159,4 +161,15 @@ def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
             for rank in worker.ranks:  # that can never complete; stopping them gently takes 10 s each
                 rank.kill()
         worker.stop()
-    return 1 if worker.error else 0
+    leave(1 if worker.error else 0)
+
+
+def leave(code: int) -> None:
+    """Exit a worker process that has stopped in order (drained, its ranks joined, its transfer
+    agent closed) without the interpreter's teardown: the native objects still alive then (the
+    NIXL agent, gloo's threads) are destroyed in no defined order, which once aborted a worker
+    (SIGABRT, "terminate called without an active exception") after its peer had died."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
