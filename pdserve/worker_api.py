@@ -360,6 +360,8 @@ class Load(_Message):
     total_blocks: int = 0
     in_flight: int = 0      # requests whose HTTP call is open here
     rooms_live: int = 0     # transfer rooms not yet terminal
+    # the loop's timers summed over its steps with a forward (scheduler/lockstep.py StepTimes)
+    step_seconds: dict[str, float] = Field(default_factory=dict)
 
     @property
     def queued(self) -> int:

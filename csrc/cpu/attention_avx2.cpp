@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "attention.h"
+#include "avx2_math.h"
 
 namespace pds_cpu {
 namespace {
@@ -26,34 +27,12 @@ inline void scale_add(float* acc, float alpha, const float* v, float p, int64_t 
   for (int64_t i = 0; i < n; ++i) acc[i] = acc[i] * alpha + p * v[i];
 }
 
-inline float hsum(__m256 v) {
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
-}
-
-// e^x for x <= 0, 8 lanes: x = n ln2 + r with |r| <= ln2 / 2 (ln2 split in two constants so
-// n ln2 is exact enough), e^r by its degree-6 Taylor-like minimax polynomial (relative error
-// ~2e-7, a few fp32 ulps), times 2^n built in the exponent bits. Below -87.3 (and for -inf, the
-// padding) the result is 0, which is what the softmax needs there.
+// e^x for x <= 0 (exp_clamped_avx2). Below -87.3 (and for -inf, the padding) the result is 0,
+// which is what the softmax needs there.
 inline __m256 exp_nonpositive(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.3f);
   const __m256 zero_mask = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);  // false for -inf and NaN-free pads
-  x = _mm256_max_ps(x, lo);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), zero_mask);
+  return _mm256_and_ps(exp_clamped_avx2(_mm256_max_ps(x, lo)), zero_mask);
 }
 
 // The head_dim % 8 == 0 path; same scratch layout as the generic one, scores padded to 8.
@@ -88,7 +67,7 @@ void decode_attention_vec(const DecodeAttention& a, int64_t b, int64_t kvh, floa
           s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(k + i + 8), s1);
         }
         if (i < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), s0);
-        scores[g * kKeysPerChunk + j] = hsum(_mm256_add_ps(s0, s1));
+        scores[g * kKeysPerChunk + j] = hsum_avx2(_mm256_add_ps(s0, s1));
       }
     }
     for (int64_t g = 0; g < group; ++g) {  // online softmax update, 8 scores at a time
@@ -112,7 +91,7 @@ void decode_attention_vec(const DecodeAttention& a, int64_t b, int64_t kvh, floa
         sum = _mm256_add_ps(sum, p);
       }
       const float alpha = std::exp(run_max[g] - m);  // 0 on the first chunk (exp(-inf))
-      run_sum[g] = run_sum[g] * alpha + hsum(sum);
+      run_sum[g] = run_sum[g] * alpha + hsum_avx2(sum);
       run_max[g] = m;
       if (alpha != 1.0f) {
         const __m256 av = _mm256_set1_ps(alpha);

@@ -11,8 +11,6 @@
 // all-reduces between the blocks, so TP > 1 runs the same calls. Every step is one of the
 // library's tested kernels (qmatmul_f32, add_rms_norm_row, decode_attention) or layer_ops.h.
 // Compiled with baseline flags (it only calls the ISA units after `pick`).
-#include <omp.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -23,6 +21,7 @@
 #include "layer_ops.h"
 #include "norm.h"
 #include "qgemm.h"
+#include "work_pool.h"
 
 namespace pds_cpu {
 namespace {
@@ -97,14 +96,11 @@ __attribute__((visibility("default"))) int pds_cpu_decode_attention_block(
   }
   const DecodeAttention a{qkv, qkv_n, k_cache, v_cache, tables, table_stride, lens, att,
                           heads, kv_heads, head_dim, block_size, scale};
-  const int64_t units = B * kv_heads;
-  const int team = std::max(1, std::min<int>(threads, static_cast<int>(units)));
-#pragma omp parallel num_threads(team) if (team > 1)
-  {
-    std::vector<float> scratch(decode_attention_scratch(a));
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < units; ++u) decode_attention_avx2(a, u / kv_heads, u % kv_heads, scratch.data());
-  }
+  parallel_for_chunks(B * kv_heads, threads, [&](int64_t u) {
+    thread_local std::vector<float> scratch;
+    if (static_cast<int64_t>(scratch.size()) < decode_attention_scratch(a)) scratch.resize(decode_attention_scratch(a));
+    decode_attention_avx2(a, u / kv_heads, u % kv_heads, scratch.data());
+  });
   project(k, o_fmt, o_w, o_qs, o_dm, att, B, o_k, hidden, out, threads);
   return 0;
 }

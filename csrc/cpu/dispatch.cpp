@@ -12,6 +12,7 @@
 #include "dispatch.h"
 #include "norm.h"
 #include "qgemm.h"
+#include "work_pool.h"
 
 namespace pds_cpu {
 namespace {
@@ -42,29 +43,29 @@ const Kernels* pick(int isa) {
   }
 }
 
+// Output features per unit of work for the helper pool: at least kRowsPerChunk, and about 8
+// units per thread, so a large matrix (the LM head) is a few long runs of consecutive rows.
+int64_t rows_per_unit(int64_t N, int threads) {
+  const int64_t per = N / (kRowsPerChunk * std::max(1, threads) * 8);
+  return kRowsPerChunk * std::max<int64_t>(1, per);
+}
+
 void qmatmul_f32(const Kernels* k, int fmt, const float* x, int64_t M, int64_t K, const uint8_t* w,
                  int64_t N, float* y, int threads) {
   if (M >= k->panel_min_rows) {
     const int64_t panels = (N + NR - 1) / NR;
-    const int team = std::max(1, std::min<int>(threads, static_cast<int>(panels)));
-#pragma omp parallel num_threads(team)
-    {
-      std::vector<float> panel(K * NR);
-#pragma omp for schedule(static)
-      for (int64_t p = 0; p < panels; ++p) {
-        const int rows = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
-        k->gemm_f32(fmt, x, M, K, w, p * NR, rows, panel.data(), y, N);
-      }
-    }
+    parallel_for_chunks(panels, threads, [&](int64_t p) {
+      thread_local std::vector<float> panel;
+      if (static_cast<int64_t>(panel.size()) < K * NR) panel.resize(K * NR);
+      const int rows = static_cast<int>(std::min<int64_t>(NR, N - p * NR));
+      k->gemm_f32(fmt, x, M, K, w, p * NR, rows, panel.data(), y, N);
+    });
     return;
   }
-  const int64_t chunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
-  const int team = std::max(1, std::min<int>(threads, static_cast<int>(chunks)));
-#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t n0 = c * kRowsPerChunk, n1 = std::min(N, n0 + kRowsPerChunk);
-    k->gemm_dot(fmt, x, M, K, w, y, N, n0, n1);
-  }
+  const int64_t unit = rows_per_unit(N, threads);
+  parallel_for_chunks((N + unit - 1) / unit, threads, [&](int64_t c) {
+    k->gemm_dot(fmt, x, M, K, w, y, N, c * unit, std::min(N, (c + 1) * unit));
+  });
 }
 
 namespace {
@@ -92,13 +93,10 @@ Int16Act prepare_int16(const float* x, int64_t M, int64_t K, int64_t nbp) {
 void qmatmul_packed(const PackedQ4& w, const float* x, int64_t M, int64_t K, int64_t N, float* y,
                     int threads) {
   const Int16Act act = prepare_int16(x, M, K, w.nbp);
-  const int64_t chunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
-  const int team = std::max(1, std::min<int>(threads, static_cast<int>(chunks)));
-#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t n0 = c * kRowsPerChunk, n1 = std::min(N, n0 + kRowsPerChunk);
-    packed_gemv_avx512(w, act.a, act.da, act.xs, M, y, N, n0, n1);
-  }
+  const int64_t unit = rows_per_unit(N, threads);
+  parallel_for_chunks((N + unit - 1) / unit, threads, [&](int64_t c) {
+    packed_gemv_avx512(w, act.a, act.da, act.xs, M, y, N, c * unit, std::min(N, (c + 1) * unit));
+  });
 }
 
 }  // namespace pds_cpu
@@ -107,7 +105,7 @@ using namespace pds_cpu;
 
 extern "C" {
 
-__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 7; }
+__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 8; }
 
 // The instruction set `isa` (0 auto) resolves to on this CPU: 1 AVX2, 2 AVX-512 VNNI, 0 none.
 __attribute__((visibility("default"))) int pds_cpu_isa(int isa) {

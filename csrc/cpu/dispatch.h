@@ -12,11 +12,11 @@ namespace pds_cpu {
 const Kernels* pick(int isa);
 
 // y[M][N] = x[M][K] . dequant(w)^T on fp32 activations (panels from k->panel_min_rows rows, the
-// in-register dot path below), N split over `threads` OpenMP threads.
+// in-register dot path below), N split over the caller and `threads - 1` helpers (work_pool.h).
 void qmatmul_f32(const Kernels* k, int fmt, const float* x, int64_t M, int64_t K, const uint8_t* w,
                  int64_t N, float* y, int threads);
 
-// y[M][N] = x[M][K] . W^T for W packed (qgemv_packed.h), N split over `threads` threads. Only
+// y[M][N] = x[M][K] . W^T for W packed (qgemv_packed.h), N split as above. Only
 // after pick(ISA_AVX512) succeeded.
 void qmatmul_packed(const PackedQ4& w, const float* x, int64_t M, int64_t K, int64_t N, float* y,
                     int threads);

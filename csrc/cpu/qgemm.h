@@ -20,6 +20,19 @@ enum Path : int { PATH_AUTO = 0, PATH_INT8 = 1, PATH_F32 = 2 };
 
 inline int block_bytes(int fmt) { return fmt == Q4_0 ? 18 : fmt == Q4_1 ? 20 : 34; }
 
+// fp32 value of every fp16 bit pattern (f16_table.cpp, 256 KB, built on first call). The dot
+// paths read block scales through it: one scalar load and a broadcast from memory instead of an
+// insert, a conversion and a register broadcast, which competed with the weight unpacking for
+// the one shuffle port and made those paths shuffle-bound.
+const float* f16_table();
+
+// The fp32 scale at `p` (an fp16 in a block), through the table.
+inline float table_half(const float* table, const uint8_t* p) {
+  uint16_t h;
+  __builtin_memcpy(&h, p, 2);
+  return table[h];
+}
+
 // Activations of M rows quantized per block: q[M][K] int8, d[M][K/32] the block scale,
 // s[M][K/32] = d * sum(q) (the term a weight offset multiplies: -8 for Q4_0, m for Q4_1).
 struct QuantAct {

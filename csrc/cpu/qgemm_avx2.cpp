@@ -6,19 +6,13 @@
 
 #include <cstdint>
 
+#include "avx2_math.h"
 #include "qgemm.h"
 #include "dequant_panel.h"
 #include "quantize_act.h"
 
 namespace pds_cpu {
 namespace {
-
-inline float hsum(__m256 v) {
-  __m128 r = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-  r = _mm_add_ss(r, _mm_movehdup_ps(r));
-  return _mm_cvtss_f32(r);
-}
 
 // 16 bytes of nibbles -> 32 bytes: low nibbles are weights 0..15, high nibbles 16..31.
 inline __m256i unpack_nibbles(const uint8_t* qs) {
@@ -61,7 +55,7 @@ void tile(const QuantAct& a, const uint8_t* wrow, int64_t nb, float* y, int64_t 
       if constexpr (FMT != Q8_0) off[r] += mw * a.s[row];
     }
   }
-  for (int r = 0; r < MR; ++r) y[r * ldy] = hsum(acc[r]) + off[r];
+  for (int r = 0; r < MR; ++r) y[r * ldy] = hsum_avx2(acc[r]) + off[r];
 }
 
 template <int FMT>
@@ -135,60 +129,83 @@ void gemm_f32(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* w, i
   }
 }
 
-// fp32 dot path (decode, small M): each block's 32 weights dequantized in four ymm registers
-// and multiplied with the fp32 activations of MR rows; no activation rounding.
+// fp32 dot path (decode, small M): each block's 32 weights dequantized eight at a time in ymm
+// registers and multiplied with the fp32 activations of MR rows; no activation rounding.
 template <int FMT>
-inline void dequant_block(const uint8_t* blk, __m256 w[4]) {
-  const __m256 d = _mm256_set1_ps(half_to_float(blk));
-  if constexpr (FMT == Q8_0) {
-    const uint8_t* q = blk + 2;
-    for (int i = 0; i < 4; ++i) {
-      const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i));
-      w[i] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)), d);
-    }
-  } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (FMT == Q4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    const __m256 m = FMT == Q4_1 ? _mm256_set1_ps(half_to_float(blk + 2)) : _mm256_set1_ps(8.0f);
-    for (int i = 0; i < 4; ++i) {
-      const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
-      w[i] = FMT == Q4_1 ? _mm256_fmadd_ps(q, d, m) : _mm256_mul_ps(_mm256_sub_ps(q, m), d);
+struct Block {  // one weight block's raw bits and scales, loaded once, dequantized by parts
+  __m128i lo, hi;  // Q4: low and high nibbles as bytes; Q8_0: the 32 int8 weights
+  __m256 d, m;     // scale; Q4_1's minimum, or 8 (Q4_0's offset)
+
+  Block(const float* f16, const uint8_t* blk) : d(_mm256_set1_ps(table_half(f16, blk))) {
+    if constexpr (FMT == Q8_0) {
+      lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+      hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
+      m = _mm256_setzero_ps();
+    } else {
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (FMT == Q4_1 ? 4 : 2)));
+      const __m128i mask = _mm_set1_epi8(0x0F);
+      lo = _mm_and_si128(raw, mask);
+      hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+      m = FMT == Q4_1 ? _mm256_set1_ps(table_half(f16, blk + 2)) : _mm256_set1_ps(8.0f);
     }
   }
+
+  // weights 8 * i .. 8 * i + 7
+  __m256 part(int i) const {
+    const __m128i bytes = i < 2 ? lo : hi;
+    const __m128i q8 = i % 2 ? _mm_srli_si128(bytes, 8) : bytes;
+    if constexpr (FMT == Q8_0) return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8)), d);
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q8));
+    return FMT == Q4_1 ? _mm256_fmadd_ps(q, d, m) : _mm256_mul_ps(_mm256_sub_ps(q, m), d);
+  }
+};
+
+// MR activation rows x NC weight rows, MR * NC independent accumulators (one chain of four
+// dependent FMAs a block was latency-bound at one row). Every output element sums its block
+// parts in the same order whatever MR and NC: a row's result never depends on the batch.
+template <int FMT, int MR, int NC>
+void dot_tile(const float* f16, const float* x, int64_t K, const uint8_t* wrow, int64_t row_bytes, float* y,
+              int64_t ldy) {
+  const int bpb = block_bytes(FMT);
+  __m256 acc[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < K / QK; ++b) {
+    for (int c = 0; c < NC; ++c) {
+      const Block<FMT> blk(f16, wrow + c * row_bytes + b * bpb);
+      for (int i = 0; i < 4; ++i) {
+        const __m256 w = blk.part(i);
+        for (int r = 0; r < MR; ++r)
+          acc[r][c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + r * K + b * QK + 8 * i), acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) y[r * ldy + c] = hsum_avx2(acc[r][c]);
 }
 
-template <int FMT, int MR>
-void dot_tile(const float* x, int64_t K, const uint8_t* wrow, float* y, int64_t ldy) {
-  const int bpb = block_bytes(FMT);
-  __m256 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < K / QK; ++b) {
-    __m256 w[4];
-    dequant_block<FMT>(wrow + b * bpb, w);
-    for (int r = 0; r < MR; ++r) {
-      const float* xb = x + r * K + b * QK;
-      for (int i = 0; i < 4; ++i) acc[r] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xb + 8 * i), acc[r]);
-    }
-  }
-  for (int r = 0; r < MR; ++r) y[r * ldy] = hsum(acc[r]);
+template <int FMT, int MR, int NC>
+void dot_cols(const float* f16, const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float* y,
+              int64_t ldy, int64_t m, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NC <= n1; n += NC)
+    dot_tile<FMT, MR, NC>(f16, x + m * K, K, w + n * row_bytes, row_bytes, y + m * ldy + n, ldy);
+  for (; n < n1; ++n)
+    dot_tile<FMT, MR, 1>(f16, x + m * K, K, w + n * row_bytes, row_bytes, y + m * ldy + n, ldy);
 }
 
 template <int FMT>
 void dot_fmt(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy, int64_t n0,
              int64_t n1) {
   const int64_t row_bytes = K / QK * block_bytes(FMT);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wrow = w + n * row_bytes;
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) dot_tile<FMT, 4>(x + m * K, K, wrow, y + m * ldy + n, ldy);
-    switch (M - m) {
-      case 3: dot_tile<FMT, 3>(x + m * K, K, wrow, y + m * ldy + n, ldy); break;
-      case 2: dot_tile<FMT, 2>(x + m * K, K, wrow, y + m * ldy + n, ldy); break;
-      case 1: dot_tile<FMT, 1>(x + m * K, K, wrow, y + m * ldy + n, ldy); break;
-      default: break;
-    }
+  const float* f16 = f16_table();
+  int64_t m = 0;  // 16 ymm registers: at most 8 accumulators
+  for (; m + 4 <= M; m += 4) dot_cols<FMT, 4, 2>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1);
+  switch (M - m) {
+    case 3: dot_cols<FMT, 3, 2>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
+    case 2: dot_cols<FMT, 2, 4>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
+    case 1: dot_cols<FMT, 1, 4>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
+    default: break;
   }
 }
 

@@ -132,21 +132,23 @@ void gemm_f32(int fmt, const float* x, int64_t M, int64_t K, const uint8_t* w, i
 
 // fp32 dot path (decode, small M): each block's 32 weights dequantized in two zmm registers
 // (w = d*q + m as one FMA) and multiplied with the fp32 activations of MR rows; no activation
-// rounding, so the result is the reference's up to fp32 summation order.
+// rounding, so the result is the reference's up to fp32 summation order. Scales come from the
+// fp16 table (broadcast from memory); Q4 nibbles are widened once (16 bytes to 16 dwords) and
+// split by mask and shift: one shuffle a block instead of two, plus none for the scales.
 template <int FMT>
-inline void dequant_block(const uint8_t* blk, __m512& w0, __m512& w1) {
-  const __m512 d = _mm512_set1_ps(half_to_float(blk));
+inline void dequant_block(const float* f16, const uint8_t* blk, __m512& w0, __m512& w1) {
+  const __m512 d = _mm512_set1_ps(table_half(f16, blk));
   if constexpr (FMT == Q8_0) {
     const __m128i* q = reinterpret_cast<const __m128i*>(blk + 2);
     w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q))), d);
     w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(q + 1))), d);
   } else {
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (FMT == Q4_1 ? 4 : 2)));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, mask)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), mask)));
+    const __m512i bytes = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (FMT == Q4_1 ? 4 : 2))));
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(bytes, _mm512_set1_epi32(0x0F)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(bytes, 4));
     if constexpr (FMT == Q4_1) {
-      const __m512 m = _mm512_set1_ps(half_to_float(blk + 2));
+      const __m512 m = _mm512_set1_ps(table_half(f16, blk + 2));
       w0 = _mm512_fmadd_ps(lo, d, m);
       w1 = _mm512_fmadd_ps(hi, d, m);
     } else {  // (q - 8) * d: q - 8 is exact, so this rounds once, like the reference
@@ -156,37 +158,62 @@ inline void dequant_block(const uint8_t* blk, __m512& w0, __m512& w1) {
   }
 }
 
-template <int FMT, int MR>
-void dot_tile(const float* x, int64_t K, const uint8_t* wrow, float* y, int64_t ldy) {
+// MR activation rows x NC weight rows: each block of the NC weight rows is dequantized once and
+// used for every activation row; the MR * NC accumulators are independent chains, enough to keep
+// the FMA units busy at one row (one chain of two dependent FMAs a block was latency-bound). Every
+// output element still sums its blocks in the same order (two FMAs a block, then the same
+// reduction) whatever MR and NC, so a row's result never depends on how many rows share the call.
+template <int FMT, int MR, int NC>
+void dot_tile(const float* f16, const float* x, int64_t K, const uint8_t* wrow, int64_t row_bytes, float* y,
+              int64_t ldy) {
   const int bpb = block_bytes(FMT);
-  __m512 acc[MR];
-  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[MR][NC];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / QK; ++b) {
-    __m512 w0, w1;
-    dequant_block<FMT>(wrow + b * bpb, w0, w1);
+    __m512 w0[NC], w1[NC];
+    for (int c = 0; c < NC; ++c) dequant_block<FMT>(f16, wrow + c * row_bytes + b * bpb, w0[c], w1[c]);
     for (int r = 0; r < MR; ++r) {
-      const float* xb = x + r * K + b * QK;
-      acc[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), acc[r]);
-      acc[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), acc[r]);
+      const __m512 x0 = _mm512_loadu_ps(x + r * K + b * QK), x1 = _mm512_loadu_ps(x + r * K + b * QK + 16);
+      for (int c = 0; c < NC; ++c) {
+        acc[r][c] = _mm512_fmadd_ps(w0[c], x0, acc[r][c]);
+        acc[r][c] = _mm512_fmadd_ps(w1[c], x1, acc[r][c]);
+      }
     }
   }
-  for (int r = 0; r < MR; ++r) y[r * ldy] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < NC; ++c) y[r * ldy + c] = _mm512_reduce_add_ps(acc[r][c]);
+}
+
+// Rows m in [m0, M) in tiles of MR (a tail of fewer), weight rows [n0, n1) NC at a time.
+template <int FMT, int MR, int NC>
+void dot_cols(const float* f16, const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float* y,
+              int64_t ldy, int64_t m, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + NC <= n1; n += NC)
+    dot_tile<FMT, MR, NC>(f16, x + m * K, K, w + n * row_bytes, row_bytes, y + m * ldy + n, ldy);
+  for (; n < n1; ++n)
+    dot_tile<FMT, MR, 1>(f16, x + m * K, K, w + n * row_bytes, row_bytes, y + m * ldy + n, ldy);
 }
 
 template <int FMT>
 void dot_fmt(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, int64_t ldy, int64_t n0,
              int64_t n1) {
   const int64_t row_bytes = K / QK * block_bytes(FMT);
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* wrow = w + n * row_bytes;
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) dot_tile<FMT, 4>(x + m * K, K, wrow, y + m * ldy + n, ldy);
-    switch (M - m) {
-      case 3: dot_tile<FMT, 3>(x + m * K, K, wrow, y + m * ldy + n, ldy); break;
-      case 2: dot_tile<FMT, 2>(x + m * K, K, wrow, y + m * ldy + n, ldy); break;
-      case 1: dot_tile<FMT, 1>(x + m * K, K, wrow, y + m * ldy + n, ldy); break;
-      default: break;
-    }
+  const float* f16 = f16_table();
+  // 8 rows x 2 weight rows: 16 accumulators + 4 weight registers of the 32; fewer rows take 4
+  // weight rows for independent chains
+  int64_t m = 0;
+  for (; m + 8 <= M; m += 8) dot_cols<FMT, 8, 2>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1);
+  switch (M - m) {
+    case 7: dot_cols<FMT, 7, 2>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
+    case 6: dot_cols<FMT, 6, 2>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
+    case 5: dot_cols<FMT, 5, 2>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
+    case 4: dot_cols<FMT, 4, 4>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
+    case 3: dot_cols<FMT, 3, 4>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
+    case 2: dot_cols<FMT, 2, 4>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
+    case 1: dot_cols<FMT, 1, 4>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
+    default: break;
   }
 }
 

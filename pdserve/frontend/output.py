@@ -238,9 +238,10 @@ class ChatOutput:
         return ParsedDecoder(make_parser(self.profile, options), stop, policy, self.on_diagnostic)
 
 
-def check_output_profile(model_dir: Path, override: str | None = None) -> None:
-    """For launchers, before any worker starts: ``ProfileError`` when the router would refuse."""
-    ChatOutput.load(model_dir, Tokenizer(model_dir), override)
+def check_output_profile(model_dir: Path, override: str | None = None, tokenizer: Tokenizer | None = None) -> None:
+    """For launchers, before any worker starts: ``ProfileError`` when the router would refuse
+    (`tokenizer`: the model's, when the caller has loaded it already)."""
+    ChatOutput.load(model_dir, tokenizer or Tokenizer(model_dir), override)
 
 
 def model_type_hint(model_dir: Path) -> str | None:

@@ -22,6 +22,7 @@ from pdserve.layers.norm import RMSNorm
 from pdserve.layers.quant import QuantConfig, linear_method
 from pdserve.layers.quant.blocks import BlockQuantLinearMethod
 from pdserve.layers.rotary import RotaryEmbedding
+from pdserve_kernels.decode_layer import DecodeStack, StackLayer
 
 from pdserve.weights.loading import load_tensors, require_loaded, stacked_target
 
@@ -82,6 +83,7 @@ class DecodeStep:
     tables: torch.Tensor
     lens: torch.Tensor
     packed: bool  # multiply by the packed Q4 weights (the int16 path) where layers have them
+    stack: DecodeStack | None  # every layer in one call (TP = 1), else None: layer by layer
 
 
 class LlamaAttention(nn.Module):
@@ -166,6 +168,17 @@ class LlamaDecoderLayer(nn.Module):
         return (attn, mlp, (a.qkv_proj.packed, a.o_proj.packed), (m.gate_up_proj.packed, m.down_proj.packed),
                 a.o_proj.tp if a.o_proj.reduce else None, m.down_proj.tp if m.down_proj.reduce else None)
 
+    def stack_layer(self, cache: dict[str, torch.Tensor]) -> StackLayer | None:
+        """This layer for `decode_layers` (None when a projection sums over TP ranks)."""
+        if self._decode_args is None:
+            self._decode_args = self.decode_args()
+        attn, (n2, eps2, gu, gu_fmt, down, down_fmt), attn_packed, mlp_packed, attn_tp, mlp_tp = self._decode_args
+        (n1, eps1, qkv, qkv_fmt, o, o_fmt), _ = attn
+        if attn_tp is not None or mlp_tp is not None or eps1 != eps2:
+            return None
+        return StackLayer(n1, n2, (qkv, o, gu, down), (qkv_fmt, o_fmt, gu_fmt, down_fmt),
+                          (*attn_packed, *mlp_packed), cache["k"], cache["v"])
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
@@ -185,10 +198,13 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, tp, quant, rotary) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self._fusable: bool | None = None  # every layer fits the fused decode blocks (set on first use)
+        self._stack: tuple[object, bool, DecodeStack | None] | None = None  # (KV caches, packed, stack)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(ids), None
         step = self.decode_step(x, positions, meta)
+        if step is not None and step.stack is not None:  # every layer and the final norm: one call
+            return ops.decode_layers(x, step.stack, step.cos, step.sin, meta.slot_mapping, step.tables, step.lens)
         for layer in self.layers:
             if step is not None:
                 x, residual = layer.decode(x, residual, step)
@@ -209,9 +225,25 @@ class LlamaModel(nn.Module):
                 and meta.kv_caches[0]["k"].dtype == torch.float32):
             return None
         cos, sin = self.layers[0].self_attn.rotary.cos_sin(positions)
+        packed = ops.is_native(ops.qmatmul_packed)
         return DecodeStep(meta, cos[:, 0], sin[:, 0], meta.block_tables.to(torch.int64).contiguous(),
-                          torch.tensor(meta.context_lens, dtype=torch.int64),
-                          ops.is_native(ops.qmatmul_packed))
+                          torch.tensor(meta.context_lens, dtype=torch.int64), packed,
+                          self.decode_stack(meta.kv_caches, packed) if ops.is_native(ops.decode_layers) else None)
+
+    def decode_stack(self, kv_caches: list[dict[str, torch.Tensor]], packed: bool) -> DecodeStack | None:
+        """The layers for `decode_layers`, gathered once per KV cache; None when a layer sums over
+        TP ranks between its blocks or the norms differ in eps (then `decode` runs layer by layer)."""
+        if self._stack is not None and self._stack[0] is kv_caches and self._stack[1] == packed:
+            return self._stack[2]
+        layers = [layer.stack_layer(kv_caches[i]) for i, layer in enumerate(self.layers)]
+        stack = None
+        if all(l is not None for l in layers) and len({layer.input_layernorm.eps for layer in self.layers}
+                                                      | {self.norm.eps}) == 1:
+            a = self.layers[0].self_attn
+            stack = DecodeStack(layers, self.norm.weight, self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim,
+                                self.layers[0].mlp.gate_up_proj.weight.shape[0] // 2, a.attn.scale, packed)
+        self._stack = (kv_caches, packed, stack)
+        return stack
 
 
 class LlamaForCausalLM(nn.Module):

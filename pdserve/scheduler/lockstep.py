@@ -15,9 +15,9 @@ matchers live only where sampling happens, on rank 0 (`Sequence.grammar`, starte
 sampler). Other ranks never build one: they follow rank 0's tokens from the plan, so a
 grammar decision cannot differ between ranks, and no rank waits on a grammar compile.
 
-Overlap (`stage_batch` given, `--overlap`): step N's forward runs on a forward thread while the
-loop thread observes, agrees, plans and broadcasts step N+1 (and the caller hands step N's
-outputs out). The rules that keep the ranks in lockstep:
+Overlap (`stage_batch` given, `--overlap`): step N's forward runs on a forward thread
+(forward_thread.py) while the loop thread observes, agrees, plans and broadcasts step N+1 (and
+the caller hands step N's outputs out). The rules that keep the ranks in lockstep:
 
 * The loop is the same sequence on every rank: observe → agree → plan → broadcast → wait for
   forward N → apply N+1 → start forward N+1. The plan is still one fixed-size gather and one
@@ -41,9 +41,10 @@ outputs out). The rules that keep the ranks in lockstep:
   and `apply` drops it on every rank alike: it never becomes an output.
 * A request whose sampling reads its own output (a grammar, penalties, min_tokens) never takes a
   placeholder: it waits one step for its token instead (scheduler.py).
-* A forward's tokens become outputs in the plan after next, one step later by count; but an
-  overlapped step returns before its own forward ends, so in time forward N's token is out
-  after forward N+1, as in the plain loop.
+* A forward's tokens become outputs in the plan after next, one step later by count: in time,
+  forward N's token is out once forward N+1 has ended. The plain loop hands a step's outputs out
+  (`emit`) before its forward, so there forward N's token is out before forward N+1 starts: one
+  forward sooner than with overlap.
 * The state digest is taken between apply and the forward's start, when neither thread is in
   a collective; the model's and the loop's collectives are traced apart (`Traces`).
 * Prefill: a room's first token reaches a plan only after the forward that computed its KV has
@@ -57,12 +58,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdserve.engine.sequence import Sequence
 
+from .forward_thread import ForwardThread
 from .plan import Inbox, SampledToken, StepOutput, StepPlan, TransferKind, TransferOutcome
 from .recent import RecentIds
 from .scheduler import Scheduler
@@ -180,6 +181,25 @@ def first_divergence(observations: list[Observation]) -> str | None:
     return None
 
 
+@dataclass
+class StepTimes:
+    """The loop's own timers, summed over the steps that ran a forward (seconds): what a worker
+    reports on /load (`step_seconds`) and bench/serve.py turns into time per step."""
+
+    steps: int = 0         # steps that ran (plain) or started (overlap) a forward
+    forwards: int = 0
+    forward: float = 0.0   # the forward and sampling (on the forward thread with overlap)
+    plan: float = 0.0      # observe + agree + plan + broadcast (with the transfer polling)
+    poll: float = 0.0      # of which: polling the transfers (`link.observe`)
+    apply: float = 0.0     # apply, the transfer's act (overlap: + staging the inputs, the hand-off)
+    wait: float = 0.0      # overlap: the loop thread waiting for the running forward
+    output: float = 0.0    # handing the outputs to their requests (`emit`: the worker's dispatch)
+    step: float = 0.0      # the whole step as the loop thread sees it (with `emit`)
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
 class TransferLink(Protocol):
     """One rank's transfer, as the loop sees it (engine/kv_link.py; tests pass in their own)."""
 
@@ -215,14 +235,19 @@ class LockstepLoop:
         self._digest_step = -1
         self.agree_s = 0.0  # the last step's time in the agree and broadcast collectives
         self.step_s = 0.0
-        # the loop's own timers (bench/offline.py): observe+agree+plan+broadcast, the wait for the
-        # running forward (overlap), apply, and the forward itself (on the forward thread)
-        self.plan_s = self.wait_s = self.apply_s = self.forward_s = 0.0
+        # the loop's own timers (bench/offline.py): observe+agree+plan+broadcast (of which
+        # `poll_s` polls the transfers), the wait for the running forward (overlap), apply, and
+        # the forward itself (on the forward thread with overlap)
+        self.plan_s = self.poll_s = self.wait_s = self.apply_s = self.forward_s = 0.0
+        self.times = StepTimes()  # their sums over the steps with a forward
         self.stage_batch = stage_batch
         self.before_forward: Callable[[], None] | None = None  # a test's hook, on the forward thread
+        # rank 0's caller (the worker): hands a step's outputs to their requests as soon as `apply`
+        # made them, before the forward runs, so a token reaches its client one forward sooner
+        self.emit: Callable[[list[StepOutput]], None] | None = None
+        self.output_s = 0.0
         self.waiting_forward = threading.Event()  # set while the loop thread waits for a forward
-        self._running: Future | None = None
-        self._forward = ThreadPoolExecutor(1, thread_name_prefix="forward") if stage_batch else None
+        self._forward: ForwardThread | None = ForwardThread() if stage_batch else None
 
     @property
     def overlap(self) -> bool:
@@ -231,7 +256,7 @@ class LockstepLoop:
     @property
     def in_flight(self) -> bool:
         """A forward is running (or finished, its tokens not collected yet)."""
-        return self._running is not None
+        return self._forward is not None and self._forward.busy
 
     def step(self, inbox: Inbox) -> tuple[StepPlan, list[StepOutput]]:
         """One step: the plain loop, or the overlapped one (module docstring)."""
@@ -243,15 +268,38 @@ class LockstepLoop:
         outputs, batch = self.scheduler.apply(plan)
         if self.link is not None:
             self.link.act(plan, outputs, self.scheduler.held)
+        self.apply_s = time.perf_counter() - t0 - self.plan_s
+        self._emit(outputs)
         t1 = time.perf_counter()
         sampled = self.run_batch(batch, self.rank == 0)
         self.forward_s = time.perf_counter() - t1
-        self.apply_s = t1 - t0 - self.plan_s
         self.sampled = sampled if self.rank == 0 else []
         self._check()
         self.step_no += 1
         self.step_s = time.perf_counter() - t0
+        if batch:
+            self._count(forwards=1, forward=self.forward_s)
         return plan, outputs
+
+    def _emit(self, outputs: list[StepOutput]) -> None:
+        self.output_s = 0.0
+        if outputs and self.emit is not None:
+            t0 = time.perf_counter()
+            self.emit(outputs)
+            self.output_s = time.perf_counter() - t0
+
+    def _count(self, forwards: int = 0, forward: float = 0.0) -> None:
+        """Add this step's timers to `times` (a step that ran or started a forward)."""
+        t = self.times
+        t.steps += 1
+        t.forwards += forwards
+        t.forward += forward
+        t.plan += self.plan_s
+        t.poll += self.poll_s
+        t.apply += self.apply_s
+        t.wait += self.wait_s
+        t.output += self.output_s
+        t.step += self.step_s
 
     def _check(self) -> None:
         if self.digest_every and (self.step_no + 1) % self.digest_every == 0:
@@ -263,7 +311,11 @@ class LockstepLoop:
     def _decide(self, inbox: Inbox) -> StepPlan:
         """Observe, agree, plan (rank 0), broadcast: the plan of this step, on every rank."""
         if self.link is not None:
+            t0 = time.perf_counter()
             self._backlog += self.link.observe()
+            self.poll_s = time.perf_counter() - t0
+        else:
+            self.poll_s = 0.0
         mine, self._backlog = self._backlog[:MAX_OUTCOMES_PER_STEP], self._backlog[MAX_OUTCOMES_PER_STEP:]
         obs = Observation(self.rank, mine, self._digest, self._digest_step)
         self._digest = None
@@ -301,10 +353,13 @@ class LockstepLoop:
         self._check()  # no forward runs: every rank's traces are at the same point
         if batch:
             job = self.stage_batch(batch, self.rank == 0, previous)
-            self._running = self._forward.submit(self._run_forward, job)
+            self._forward.start(lambda: self._run_forward(job))
         self.apply_s = time.perf_counter() - t2
+        self._emit(outputs)  # while forward N+1 runs
         self.step_no += 1
         self.step_s = time.perf_counter() - t0
+        if batch:
+            self._count()  # the forward counts itself, on its thread
         return plan, outputs
 
     def _run_forward(self, job: Callable[[], list[SampledToken]]) -> list[SampledToken]:
@@ -313,17 +368,18 @@ class LockstepLoop:
         t0 = time.perf_counter()
         sampled = job()
         self.forward_s = time.perf_counter() - t0
+        self.times.forwards += 1  # only this thread writes these two
+        self.times.forward += self.forward_s
         return sampled
 
     def finish(self) -> list[SampledToken]:
         """Wait for the running forward (if any); rank 0's tokens of it ([] elsewhere). A failed
         forward raises here, on the loop thread."""
-        running, self._running = self._running, None
-        if running is None:
+        if not self.in_flight:
             return []
         self.waiting_forward.set()
         try:
-            sampled = running.result()
+            sampled = self._forward.wait()
         finally:
             self.waiting_forward.clear()
         return sampled if self.rank == 0 else []
@@ -334,4 +390,4 @@ class LockstepLoop:
             self.finish()
         finally:
             if self._forward is not None:
-                self._forward.shutdown(wait=True)
+                self._forward.close()

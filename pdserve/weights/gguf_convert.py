@@ -32,8 +32,8 @@ from pdserve.weights.safetensors_io import save_safetensors_dir
 
 logger = logging.getLogger(__name__)
 
-# Bumped whenever the output format changes, so cached conversions are redone.
-CONVERTER_VERSION = 2  # 2: the gguf/ folder of raw blocks
+# The output format's version is default_model.CONVERTER_VERSION (the cache key): bump it there
+# whenever the output changes, so cached conversions are redone.
 BLOCKS_DIR = "gguf"
 BLOCKS_CONFIG = "quant.json"
 # GGUF types kept as blocks (pdserve_kernels.quant); anything else is dequantized to fp32

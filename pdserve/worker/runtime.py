@@ -64,9 +64,9 @@ class RankRuntime:
         self.bootstrap = share_bootstrap(self.engine.comm, self.agent)
 
     def run(self, hooks: StepHooks) -> None:
-        """Step until a plan says shut down; a plan's error (a divergence) raises. With overlap,
-        `after_step` hands step N's outputs out while step N's forward runs; the last forward
-        is waited for on the way out."""
+        """Step until a plan says shut down; a plan's error (a divergence) raises. The outputs
+        went out during the step (`LockstepLoop.emit`); with overlap the last forward is waited
+        for on the way out."""
         try:
             while True:
                 plan, outputs = self.engine.step(shutdown=hooks.before_step())

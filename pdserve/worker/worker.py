@@ -102,6 +102,7 @@ class Worker:
                                      pool.bytes_per_block(pool.layer_specs, pool.block_size) * settings.tp,
                                      pool.block_size)
         self.engine.grammars.observer = self.metrics
+        self.engine.loop.emit = self._emit  # outputs go out before the step's forward runs
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -161,7 +162,7 @@ class Worker:
         return self._stop.is_set()
 
     def after_step(self, plan: StepPlan, outputs: list[StepOutput]) -> None:
-        """StepHooks: count, hand the outputs to their requests, nap when idle."""
+        """StepHooks: count, nap when idle (the outputs went out in the step: `_emit`)."""
         now = time.monotonic()
         if now - self._snapshot_at > 0.1:
             self._snapshot(now)
@@ -169,9 +170,6 @@ class Worker:
         self.step_count += 1
         loop = self.engine.loop
         self.accounting.step(loop.step_s, loop.agree_s)
-        if outputs:
-            self.accounting.outputs(outputs, now)
-            self._dispatch(outputs)
         if not self.engine.has_work():
             quiet = not self._queues  # no HTTP call open: no transfer can be under way either
             if quiet:
@@ -184,6 +182,11 @@ class Worker:
         self.accounting.load(self.engine.scheduler)
         if self.runtime.agent is not None:
             self.accounting.agent(self.runtime.agent.metrics())
+
+    def _emit(self, outputs: list[StepOutput]) -> None:
+        """The loop's `emit`, on the loop thread: count the outputs and hand them out."""
+        self.accounting.outputs(outputs, time.monotonic())
+        self._dispatch(outputs)
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         with self._lock:
@@ -282,4 +285,5 @@ class Worker:
         return {"waiting": len(s.waiting), "running": len(s.running), "transferring": len(s.held),
                 "free_blocks": s.allocator.num_free, "total_blocks": s.allocator.num_blocks,
                 "in_flight": len(self._queues),
-                "rooms_live": self.accounting.transfer.get("rooms_live", 0)}
+                "rooms_live": self.accounting.transfer.get("rooms_live", 0),
+                "step_seconds": self.engine.loop.times.as_dict()}

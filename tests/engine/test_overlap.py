@@ -158,3 +158,26 @@ def test_overlap_flag_reaches_the_workers_engine_config():
         assert flag in flags
         assert engine_config(build_parser().parse_args(["worker", "--role", "both", *flags])).overlap is on
     assert not [f for f in engine_flags(build_parser().parse_args(["serve"])) if "overlap" in f]
+
+
+def test_the_plain_loop_hands_a_token_out_before_the_next_forward(engines):
+    # the worker's dispatch is the loop's `emit`: a token sampled by forward N reaches its
+    # request before forward N+1 runs (with overlap it is out once forward N+1 has ended)
+    plain, _ = engines
+    events: list[str] = []
+    run_batch = plain.loop.run_batch
+
+    def forward(batch, sample):
+        if batch:  # a step with nothing to compute still calls it
+            events.append("forward")
+        return run_batch(batch, sample)
+
+    plain.loop.run_batch = forward
+    plain.loop.emit = lambda outs: events.extend(f"token {o.token_id}" for o in outs if o.token_id is not None)
+    try:
+        plain.add_request("emit0", PROMPTS[0], greedy(max_tokens=3))
+        tokens = [f"token {o.token_id}" for o in plain.run_until_done() if o.token_id is not None]
+    finally:
+        plain.loop.run_batch, plain.loop.emit = run_batch, None
+    assert len(tokens) == 3
+    assert events == ["forward", tokens[0], "forward", tokens[1], "forward", tokens[2]]

@@ -147,3 +147,66 @@ def test_blocks_with_packed_weights_stay_near_reference(B):
     out = decode_layer.decode_mlp_block_cpu(x.clone(), residual, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_0,
                                             pack_q4(gu_w, Q4_1), pack_q4(down_w, Q4_0))
     _close(out, ref, 1e-3)
+
+
+def _stack(g: torch.Generator, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
+           num_blocks: int, block_size: int, fmts) -> decode_layer.DecodeStack:
+    def w(n, k, fmt, s):
+        return quantize(torch.randn(n, k, generator=g) * s, fmt)
+
+    out = []
+    for i in range(layers):
+        f = fmts[i % len(fmts)]
+        cache = (num_blocks, block_size, kv_heads, head_dim)
+        out.append(decode_layer.StackLayer(
+            torch.rand(hidden, generator=g) + 0.5, torch.rand(hidden, generator=g) + 0.5,
+            (w((heads + 2 * kv_heads) * head_dim, hidden, f, 0.1), w(hidden, heads * head_dim, f, 0.1),
+             w(2 * inter, hidden, f, 0.2), w(hidden, inter, f, 0.2)), (f,) * 4, (None,) * 4,
+            torch.randn(*cache, generator=g), torch.randn(*cache, generator=g)))
+    return decode_layer.DecodeStack(out, torch.rand(hidden, generator=g) + 0.5, 1e-5, heads, kv_heads, head_dim,
+                                    inter, head_dim ** -0.5, use_packed=False)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_whole_stack_call_equals_the_blocks_layer_by_layer_and_the_reference(isa):
+    """`decode_layers` (every layer and the final norm in one native call) gives the per-layer
+    native blocks' result bit for bit (the same kernels in the same order, the residual stream
+    carried as the model carries it) and the reference's within the blocks' bound; the caches
+    receive the same keys and values."""
+    g = torch.Generator().manual_seed(3)
+    hidden, heads, kv_heads, head_dim, inter, block_size = 96, 3, 1, 32, 160, 16
+    lens = [20, 3]
+    tables, slots, num_blocks = _tables(lens, block_size, g)
+    stack = _stack(g, 3, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, (Q4_1, Q8_0, Q4_0))
+    angles = torch.rand(2, head_dim // 2, generator=g) * 6.28
+    step = (angles.cos(), angles.sin(), slots, tables, torch.tensor(lens))
+    x = torch.randn(2, hidden, generator=g)
+
+    def caches(s):
+        return [(L.k_cache.clone(), L.v_cache.clone()) for L in s.layers]
+
+    def with_caches(s, cs):
+        return decode_layer.DecodeStack([decode_layer.StackLayer(L.attn_norm, L.mlp_norm, L.weights, L.fmts, L.packed,
+                                                                 *c) for L, c in zip(s.layers, cs)],
+                                        s.final_norm, s.eps, s.heads, s.kv_heads, s.head_dim, s.inter, s.scale, False)
+
+    ref_stack, cpu_stack = with_caches(stack, caches(stack)), with_caches(stack, caches(stack))
+    ref = decode_layer.decode_layers(x.clone(), ref_stack, *step)
+    out = torch.empty_like(x)
+    cpu_lib.decode_layers(cpu_stack.table(), x.clone(), cpu_stack.final_norm, 1e-5, *step[:2], *step[2:],
+                          heads, kv_heads, head_dim, block_size, inter, head_dim ** -0.5, out, isa=isa)
+    _close(out, ref, 1e-4)
+    for a, b in zip(cpu_stack.layers, ref_stack.layers):
+        _close(a.k_cache, b.k_cache, 1e-5)
+        _close(a.v_cache, b.v_cache, 1e-5)
+    by_layer, residual, h = with_caches(stack, caches(stack)), None, x.clone()
+    for L in by_layer.layers:
+        y = torch.empty_like(h)
+        cpu_lib.decode_attention_block(h, residual, L.attn_norm, 1e-5, L.fmts[0].code, L.weights[0], L.fmts[1].code,
+                                       L.weights[1], *step[:2], L.k_cache, L.v_cache, *step[2:], heads, kv_heads,
+                                       head_dim ** -0.5, y, isa=isa)
+        z = torch.empty_like(h)
+        cpu_lib.decode_mlp_block(y, h, L.mlp_norm, 1e-5, L.fmts[2].code, L.weights[2], L.fmts[3].code, L.weights[3],
+                                 inter, z, isa=isa)
+        h, residual = z, y
+    assert torch.equal(out, cpu_lib.add_rms_norm(h, residual, stack.final_norm, 1e-5))

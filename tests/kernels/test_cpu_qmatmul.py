@@ -113,3 +113,32 @@ def test_the_library_has_no_amx_instruction():
     path = cpu_lib.build()
     listing = subprocess.run(["objdump", "-d", str(path)], capture_output=True, text=True).stdout
     assert listing and not any(op in listing for op in ("ldtilecfg", "tdpb", "tileloadd", "tilezero"))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_f32_dot_path_gives_a_row_the_same_bits_alone_and_among_others(isa, fmt_name):
+    """Decode batch invariance at the kernel: the dot path's tiles (several activation rows times
+    several weight rows) sum every output in the same order, so a row's result does not depend on
+    how many rows share the call (1 to 15: the rows below the AVX-512 panels)."""
+    fmt = FORMATS[fmt_name]
+    x, raw = _case(fmt_name, 15, 43, 160, seed=11)
+    alone = torch.cat([qmatmul_native(x[i:i + 1], raw, fmt, isa=isa, path="f32", threads=1) for i in range(15)])
+    for m in (2, 3, 4, 5, 8, 9, 15):
+        together = qmatmul_native(x[:m], raw, fmt, isa=isa, path="f32", threads=2)
+        assert torch.equal(together, alone[:m]), m
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt_name", sorted(FORMATS))
+def test_f32_dot_path_reads_subnormal_and_large_fp16_scales_exactly(isa, fmt_name):
+    """The dot paths convert block scales through a table of every fp16 value: tiny weights
+    (subnormal fp16 scales) and large ones must match the reference as closely as any others."""
+    fmt = FORMATS[fmt_name]
+    for scale in (1e-4, 1e4):  # scales below fp16's smallest normal (6.1e-5), and in the tens
+        x, raw = _case(fmt_name, 3, 21, 96, seed=5)
+        raw = quantize(dequantize(raw, fmt) * scale, fmt)
+        y = qmatmul_native(x, raw, fmt, isa=isa, path="f32").double()
+        wd = dequantize(raw, fmt)
+        assert wd.abs().max() > 0
+        assert (y - x.double() @ wd.double().T).abs().le(1e-5 * _abs_terms(x, wd) + 1e-30).all(), scale

@@ -17,7 +17,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve_kernels import cpu_lib, dispatch
 
-FUSED = ("decode_attention_block", "decode_mlp_block", "qmatmul_packed")
+FUSED = ("decode_attention_block", "decode_layers", "decode_mlp_block", "qmatmul_packed")
 
 
 @contextlib.contextmanager
@@ -56,6 +56,7 @@ def test_a_block_quantized_llama_decodes_through_the_fused_blocks(engine, reques
     model = engine.model.model
     assert all(layer.can_fuse_decode() for layer in model.layers)
     assert ops.is_native(ops.decode_attention_block) and ops.is_native(ops.decode_mlp_block)
+    assert ops.is_native(ops.decode_layers)  # TP = 1: every layer of a decode step in one call
     packed = model.layers[0].mlp.gate_up_proj.packed
     asked = request.node.callspec.params["engine"] == "int16-activations"
     assert (packed is not None) == (asked and cpu_lib.packed_supported())  # AVX-512, not forced to AVX2

@@ -3,9 +3,7 @@ transfer outcomes: every rank enters the same collectives in the same order and 
 scheduler state at every step; once everything is aborted, every block is back in the pool."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import random
-import socket
 
 import pytest
 
@@ -15,6 +13,8 @@ from pdserve.kvcache import BlockAllocator
 from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig
 from pdserve.scheduler.lockstep import LockstepLoop, state_digest
 from pdserve.scheduler.plan import KVPeer, SampledToken, TransferKind, TransferOutcome
+
+from tests.scheduler.lockstep_ranks import RandomInbox, run_ranks
 
 STEPS = 10_000
 DRAIN = 200  # the last steps abort what is live and admit nothing
@@ -58,6 +58,12 @@ class RandomTransfers:
             self.rooms[req.request_id] = "open"
 
 
+def decode_request(rid: str, rng: random.Random) -> NewRequest:
+    """A decode room of 1-30 prompt tokens and up to 12 output tokens."""
+    return NewRequest(rid, [5] * rng.randint(1, 30), SamplingParams(temperature=0, max_tokens=rng.randint(1, 12)),
+                      kv=KVRole.DECODE, peer=KVPeer("p"))
+
+
 def rank_main(rank: int, port: int, results) -> None:
     from pdserve.distributed.groups import init_tp
 
@@ -74,27 +80,11 @@ def rank_main(rank: int, port: int, results) -> None:
                 if sample and start + n == s.num_tokens]
 
     loop = LockstepLoop(sched, comm, run_batch, RandomTransfers(rank), digest_every=50, trace=comm.trace)
-    rng = random.Random(42)  # rank 0's inbox
-    digests, next_id, live = [], 0, []
+    inbox = RandomInbox(decode_request, STEPS, DRAIN, abort_p=0.3)  # rank 0's
+    digests = []
     for step in range(STEPS):
-        inbox = Inbox()
-        if rank == 0:
-            for _ in range(rng.choice([0, 0, 1, 2])):
-                rid = f"r{next_id}"
-                next_id += 1
-                inbox.new.append(NewRequest(rid, [5] * rng.randint(1, 30),
-                                            SamplingParams(temperature=0, max_tokens=rng.randint(1, 12)),
-                                            kv=KVRole.DECODE, peer=KVPeer("p")))
-                live.append(rid)
-            if live and rng.random() < 0.3:
-                inbox.aborts.append((rng.choice(live), "abort"))
-        if rank == 0 and step >= STEPS - DRAIN:  # the end: abort everything, admit nothing
-            inbox = Inbox(aborts=[(rid, "abort") for rid in live])
-            live = []
-        plan, _ = loop.step(inbox)
-        if rank == 0 and plan.deferred:  # deferred rooms are dropped here (the engine would queue them again)
-            deferred = {r.request_id for r in plan.deferred}  # once per step: `live` grows to thousands
-            live = [rid for rid in live if rid not in deferred]
+        plan, _ = loop.step(inbox.at(step) if rank == 0 else Inbox())
+        inbox.drop(r.request_id for r in plan.deferred)  # the engine would queue them again
         assert plan.error is None, plan.error
         sched.allocator.check_integrity()
         digests.append(state_digest(sched, ""))
@@ -105,18 +95,7 @@ def rank_main(rank: int, port: int, results) -> None:
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_ten_thousand_steps_keep_ranks_identical():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, port, results)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict((r[0], r[1:]) for r in (results.get(timeout=500) for _ in procs))
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    got = run_ranks(rank_main)
     (trace0, dig0, free0, _), (trace1, dig1, free1, _) = got[0], got[1]
     assert len(trace0) >= 3 * STEPS
     assert trace0 == trace1  # the same collectives, in the same order

@@ -6,9 +6,7 @@ check never fires, and once everything ends every block is back (cached or empty
 a host-memory tier behind the device pool (evicted blocks saved there, hits loaded back)."""
 from __future__ import annotations
 
-import multiprocessing as mp
 import random
-import socket
 
 import pytest
 
@@ -18,6 +16,8 @@ from pdserve.kvcache import BlockAllocator, CacheTensorSpec, HostTier, KVPool, s
 from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig
 from pdserve.scheduler.lockstep import LockstepLoop, state_digest
 from pdserve.scheduler.plan import SampledToken, TransferKind, TransferOutcome
+
+from tests.scheduler.lockstep_ranks import RandomInbox, run_ranks
 
 STEPS = 3_000
 DRAIN = 200
@@ -82,30 +82,20 @@ def rank_main(rank: int, port: int, results, host: bool) -> None:
     loop = LockstepLoop(sched, comm, run_batch, RandomWrites(rank), digest_every=25, trace=comm.trace)
     rng = random.Random(42)
     prefixes = [[rng.randrange(3, 50) for _ in range(n)] for n in (9, 16, 23)]
-    digests, next_id, live, errors = [], 0, [], []
+
+    def shared_prefix(rid: str, rng: random.Random) -> NewRequest:
+        prompt = rng.choice(prefixes) + [rng.randrange(3, 50) for _ in range(rng.randint(1, 12))]
+        kv = rng.choice([KVRole.LOCAL, KVRole.PREFILL])
+        return NewRequest(rid, prompt, SamplingParams(temperature=0, max_tokens=rng.randint(1, 10)), kv=kv)
+
+    inbox = RandomInbox(shared_prefix, STEPS, DRAIN, abort_p=0.2, rng=rng)  # rank 0's
+    digests, errors = [], []
     for step in range(STEPS):
-        inbox = Inbox()
-        if rank == 0:
-            for _ in range(rng.choice([0, 0, 1, 2])):
-                rid = f"r{next_id}"
-                next_id += 1
-                prompt = rng.choice(prefixes) + [rng.randrange(3, 50) for _ in range(rng.randint(1, 12))]
-                kv = rng.choice([KVRole.LOCAL, KVRole.PREFILL])
-                inbox.new.append(NewRequest(rid, prompt, SamplingParams(temperature=0,
-                                                                        max_tokens=rng.randint(1, 10)), kv=kv))
-                live.append(rid)
-            if live and rng.random() < 0.2:
-                inbox.aborts.append((rng.choice(live), FinishReason.ABORT))
-        if rank == 0 and step >= STEPS - DRAIN:
-            inbox = Inbox(aborts=[(rid, FinishReason.ABORT) for rid in live])
-            live = []
-        plan, _ = loop.step(inbox)
+        plan, _ = loop.step(inbox.at(step) if rank == 0 else Inbox())
         if plan.error:
             errors.append(plan.error)
             break
-        if rank == 0:
-            done = {rid for rid, _ in plan.rejected}
-            live = [rid for rid in live if rid not in done]
+        inbox.drop(rid for rid, _ in plan.rejected)
         sched.allocator.check_integrity()
         digests.append(state_digest(sched, ""))
     a = sched.allocator
@@ -117,18 +107,7 @@ def rank_main(rank: int, port: int, results, host: bool) -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("host", [False, True], ids=["device", "with-host-tier"])
 def test_cache_decisions_are_identical_on_every_rank(host):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, port, results, host)) for r in range(2)]
-    for p in procs:
-        p.start()
-    got = dict((r[0], r[1:]) for r in (results.get(timeout=500) for _ in procs))
-    for p in procs:
-        p.join(timeout=30)
-        assert p.exitcode == 0
+    got = run_ranks(rank_main, host)
     (err0, trace0, dig0, free0, used0, hits0, ev0, work0, loads0) = got[0]
     (err1, trace1, dig1, free1, used1, hits1, ev1, work1, loads1) = got[1]
     assert err0 == err1 == []

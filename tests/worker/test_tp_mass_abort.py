@@ -1,7 +1,10 @@
 """The production scenario: PD with TP=2 on both sides, 300 concurrent streams, then every
-in-flight request aborted at once while transfers are in flight — five times. No hang, no
-divergence (digests are compared every 2 steps), every room terminal, both pools full, and 50
-new requests afterwards give the right tokens. Also: rank-local transfer faults."""
+in-flight request aborted at once while transfers are in flight — five times, with the decode
+worker on the overlapped loop (--overlap: its forwards run while aborts and KV arrive; the plain
+loop's mass abort runs in test_tp_mass_abort_prefix.py; a prefill worker with --overlap made
+this test take 88 s instead of 53 s on a quiet machine, so it stays plain here). No hang, no divergence (digests
+are compared every 2 steps), every room terminal, both pools full, and 50 new requests
+afterwards give the right tokens. Also: rank-local transfer faults."""
 from __future__ import annotations
 
 import asyncio
@@ -39,7 +42,7 @@ def test_mass_abort_under_tp2_pd(tiny_llama4_dir):
     ref = reference(tiny_llama4_dir, PROMPTS)
     flags = ("--tp", "2", "--check-divergence", "2", "--max-num-seqs", "64")
     prefill, decode = ready(start_worker("prefill", tiny_llama4_dir, *flags, wait=False),
-                            start_worker("decode", tiny_llama4_dir, *flags, wait=False))
+                            start_worker("decode", tiny_llama4_dir, *flags, "--overlap", wait=False))
     rng = random.Random(3)
     try:
         async def round_(k: int) -> None:

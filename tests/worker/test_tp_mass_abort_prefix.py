@@ -1,9 +1,8 @@
 """The mass abort of tests/worker/test_tp_mass_abort.py (PD, TP=2 on both sides) with the
 prefix cache at work: the streams share a few system prompts, the prefill pool is small so that
-its cached blocks are evicted to a host-memory tier and loaded back from it, the decode worker
-runs the overlapped loop (--overlap: its forwards run while aborts and KV arrive), and every in-flight
-request is aborted at once while transfers are in flight — twice, with 100 streams each (the
-300-stream case without a cache runs in test_tp_mass_abort.py). No hang, no divergence (digests
+its cached blocks are evicted to a host-memory tier and loaded back from it, both workers run the
+plain loop (the overlapped one is the 300-stream case's, test_tp_mass_abort.py), and every
+in-flight request is aborted at once while transfers are in flight — twice, with 100 streams each. No hang, no divergence (digests
 are compared every 2 steps, and with that check on every rank checks the books of its pool and
 host tier whenever it is idle), every room terminal, both pools full, and 50 requests sharing
 the prefixes afterwards, sent twice (the second time partly from the host tier), give the
@@ -24,9 +23,6 @@ ROUNDS = 2
 # per rank: 1 MiB holds 128 blocks of the tiny model's KV shard (2 layers, 2 KV heads of 16,
 # 16 tokens, fp32), fewer than the streams' prompts need: the prefill pool evicts to the host tier
 FLAGS = ("--tp", "2", "--check-divergence", "2", "--max-num-seqs", "64")
-# the decode worker runs the overlapped loop (docs/overlap.md): the mass aborts and the rooms'
-# outcomes land while its forwards run, and it must still end in lockstep with every block back
-DECODE_FLAGS = ("--overlap",)
 # a small step budget makes the prefills take many steps, which keeps the window in which
 # requests decode while other rooms wait for their KV open long enough to abort inside it
 PREFILL_FLAGS = ("--kv-cache-memory", "1MiB", "--host-cache-memory", "1MiB", "--max-num-batched-tokens", "64")
@@ -54,7 +50,7 @@ def test_mass_abort_with_shared_prefixes_and_a_host_tier_under_tp2_pd(tiny_llama
     ref = reference(tiny_llama4_dir, after)  # the engine's default: no prefix cache
     # both start at once (their start-ups overlap), then are waited for
     prefill = start_worker("prefill", tiny_llama4_dir, *FLAGS, *PREFILL_FLAGS, wait=False)
-    decode = start_worker("decode", tiny_llama4_dir, *FLAGS, *DECODE_FLAGS, wait=False)
+    decode = start_worker("decode", tiny_llama4_dir, *FLAGS, wait=False)
     try:
         prefill.wait_ready()
         decode.wait_ready()
