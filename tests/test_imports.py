@@ -153,3 +153,18 @@ print([m for m in heavy() if not m.startswith("fastapi")])
     contract, router = proc.stdout.splitlines()
     assert contract == "[]", f"pdserve.worker_api pulls in {contract}"
     assert router == "[]", f"the router app pulls in {router}"
+
+
+def test_serve_and_router_parse_their_command_line_without_torch() -> None:
+    """`pdserve serve` and `pdserve router` build only their own flags: the engine flags' defaults
+    import torch (~3 s of start-up on a small machine), which only the workers need."""
+    code = """
+import sys
+from pdserve.cli import build_parser
+build_parser("serve").parse_args(["serve"])
+build_parser("router").parse_args(["router"])
+print(sorted(m for m in sys.modules if m.split(".")[0] == "torch"))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", f"parsing serve's and router's flags imported {proc.stdout[:300]}"
