@@ -184,6 +184,8 @@ void dot_tile(const float* f16, const float* x, int64_t K, const uint8_t* wrow, 
     for (int c = 0; c < NC; ++c) y[r * ldy + c] = hsum_avx2(acc[r][c]);
 }
 
+// The same driver as qgemm_avx512.cpp's, on purpose: each file is built with its own ISA flags, and a
+// shared inline template would be one symbol compiled two ways (the linker keeps either).
 template <int FMT, int MR, int NC>
 void dot_cols(const float* f16, const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float* y,
               int64_t ldy, int64_t m, int64_t n0, int64_t n1) {

@@ -186,6 +186,8 @@ void dot_tile(const float* f16, const float* x, int64_t K, const uint8_t* wrow, 
 }
 
 // Rows m in [m0, M) in tiles of MR (a tail of fewer), weight rows [n0, n1) NC at a time.
+// The same driver as qgemm_avx2.cpp's, on purpose: each file is built with its own ISA flags, and a
+// shared inline template would be one symbol compiled two ways (the linker keeps either).
 template <int FMT, int MR, int NC>
 void dot_cols(const float* f16, const float* x, int64_t K, const uint8_t* w, int64_t row_bytes, float* y,
               int64_t ldy, int64_t m, int64_t n0, int64_t n1) {
