@@ -67,6 +67,13 @@ CHAOS_S ?= 1800
 chaos: setup
 	$(PY) bench/chaos.py --duration $(CHAOS_S) --out bench/results/chaos-$(CHAOS_S)s.json
 
+# The overlapped lockstep harness (tests/scheduler/test_lockstep_overlap.py) at 10,000 steps; `make
+# test` runs 2,000 of them (an overlapped step costs ~8 ms on 2 busy cores).
+LOCKSTEP_STEPS ?= 10000
+.PHONY: lockstep-soak
+lockstep-soak: setup
+	PDSERVE_LOCKSTEP_STEPS=$(LOCKSTEP_STEPS) $(PY) -m pytest tests/scheduler/test_lockstep_overlap.py -q -p no:cacheprovider
+
 # CPU of an idle `pdserve serve --tp 3` over a minute.
 idle-cpu: setup
 	$(PY) bench/idle_cpu.py --tp 3 --window 60

@@ -11,7 +11,9 @@ tests this harness (shapes, sentinels, layouts), not the kernels. Exit 1 when a 
 
 `--engine` (on a GPU) also runs the engine end to end on CUDA (bfloat16, the default model) once
 per op backend (`--kernels torch`, then `native`: the csrc/ attention kernels inside the model),
-on the same greedy prompts, and compares them: the tokens agree, and decode tok/s of each.
+on the same greedy prompts, and compares them: the tokens agree, and decode tok/s of each. It
+then runs the prefix cache's host tier on CUDA (a device pool too small for the prompts, so
+their blocks go to host memory and come back on asynchronous copies) against a cache-off run.
 """
 from __future__ import annotations
 
@@ -373,7 +375,7 @@ def run_engine(device: str, kernels: str, max_tokens: int, dtype: str = "bfloat1
 
 
 def compare_engine_runs(ref: EngineRun, other: EngineRun, min_prefix: int = 8) -> Check:
-    """`other` against the torch reference run: every prompt's first `min_prefix` tokens equal
+    """`other` against the reference run (torch's, or the cache-off one): every prompt's first `min_prefix` tokens equal
     (bf16 greedy decoding may part later where two logits nearly tie: different summation
     orders round differently), and the share of equal tokens reported."""
     same = total = 0
@@ -385,18 +387,55 @@ def compare_engine_runs(ref: EngineRun, other: EngineRun, min_prefix: int = 8) -
         same += sum(x == y for x, y in zip(a, b))
         total += max(len(a), len(b))
     share = same / total if total else 0.0
-    note = (f"{other.backend}: {share:.0%} tokens equal; {other.tok_s:.1f} tok/s vs torch "
+    note = (f"{other.backend}: {share:.0%} tokens equal; {other.tok_s:.1f} tok/s vs {ref.backend} "
             f"{ref.tok_s:.1f} ({other.tok_s / ref.tok_s if ref.tok_s else 0:.2f}x); {other.selection}")
     return Check("engine_" + other.backend, f"{len(ref.tokens)} prompts x {len(ref.tokens[0])} tok",
                  prefix_ok and len(ref.tokens) == len(other.tokens), 1.0 - share, 1.0, note[:300])
 
 
+HOST_TIER_BLOCKS = 6  # device blocks: too few to keep every prompt's chain, so each one evicts others
+
+
+def run_host_tier(device: str, max_tokens: int, caching: bool) -> tuple[EngineRun, int]:
+    """Every ENGINE_PROMPTS prompt alone, twice over, on a device pool too small to keep them:
+    with the prefix cache and a host tier the second pass loads its blocks back from host
+    memory (on CUDA: copies on the tier's own stream). Returns the run and the blocks loaded."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    from pdserve.kvcache import KVPool
+
+    pool = LLM(EngineConfig(device=device, dtype="bfloat16", kernels="native")).engine.pool  # to size the pools
+    per_block = KVPool.bytes_per_block(pool.layer_specs, pool.block_size)
+    del pool
+    llm = LLM(EngineConfig(device=device, dtype="bfloat16", kernels="native", prefix_cache=caching,
+                           kv_cache_memory=HOST_TIER_BLOCKS * per_block,
+                           host_cache_memory=(64 * per_block if caching else 0)))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    tokens = [llm.generate([p], params, chat=True)[0].token_ids for _ in range(2) for p in ENGINE_PROMPTS]
+    seconds = time.perf_counter() - t0
+    host = llm.engine.allocator.host
+    name = "host_tier" if caching else "no_cache"
+    return EngineRun(name, llm.engine.kernels.describe(), tokens, seconds, sum(map(len, tokens))), \
+        (host.num_loaded if host is not None else 0)
+
+
 def engine_checks(device: str, max_tokens: int) -> tuple[list[Check], list[dict]]:
-    """Run the engine once per backend on `device` and compare each with the torch run."""
+    """Run the engine once per backend on `device` and compare each with the torch run; then the
+    prefix cache's host tier against a cache-off run."""
     runs = [run_engine(device, k, max_tokens) for k in ("torch", "native")]
+    checks = [compare_engine_runs(runs[0], r) for r in runs[1:]]
+    tokens = min(max_tokens, 32)
+    (off, _), (on, loaded) = (run_host_tier(device, tokens, c) for c in (False, True))
+    tier = compare_engine_runs(off, on)
+    tier.ok &= loaded > 0
+    tier.note = f"{loaded} blocks loaded from host memory; " + tier.note
+    checks.append(tier)
     rows = [{"backend": r.backend, "selection": r.selection, "tok_s": r.tok_s, "seconds": r.seconds}
-            for r in runs]
-    return [compare_engine_runs(runs[0], r) for r in runs[1:]], rows
+            for r in (*runs, off, on)]
+    return checks, rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,9 @@
 """Per-kernel before/after on the default model's shapes, and the memory roofline of a decode step.
 
-Used by `bench/offline.py --kernels` (also runnable alone: `python bench/op_bench.py`). Each row
-times one op the way a decode step runs it, before (the unfused or reference form) and after
-(what the engine runs now), as the median of many calls, on this process's torch threads.
+Used by `bench/offline.py --kernels` (also runnable alone: `python bench/op_bench.py [THREADS]
+[--extend]`). Each row times one op the way a step runs it, before (the unfused or reference
+form) and after (what the engine runs now), as the median of many calls, on this process's torch
+threads.
 """
 from __future__ import annotations
 
@@ -121,6 +122,32 @@ def decode_attention(tokens: int, context: int = 256, heads: int = 9, kv_heads: 
     return [_row(f"decode attention, context {context} (per layer)", tokens, ref, nat)]
 
 
+def extend_attention(seqs: int, new: int, cached: int, heads: int = 9, kv_heads: int = 3, head_dim: int = 64,
+                     block_size: int = 16) -> list[dict]:
+    """One layer's attention for `seqs` sequences of `new` new tokens over `cached` cached ones (a
+    later agent turn, or a first prompt with `cached` 0): the torch reference (gather the context,
+    causal mask, SDPA per sequence) against the native extend kernel (K/V read in place)."""
+    from pdserve_kernels import attention, attention_cpu, cpu_lib
+
+    per_seq = (cached + new + block_size - 1) // block_size
+    blocks = seqs * per_seq
+    k_cache = torch.randn(blocks, block_size, kv_heads, head_dim)
+    v_cache = torch.randn(blocks, block_size, kv_heads, head_dim)
+    tables = torch.randperm(blocks).view(seqs, per_seq)
+    q = torch.randn(seqs * new, heads + 2 * kv_heads, head_dim)[:, :heads]
+    starts, lens = [i * new for i in range(seqs + 1)], [cached + new] * seqs
+    ref = timeit(lambda: attention.paged_attention(q, k_cache, v_cache, starts, lens, tables, 0.125))
+    nat = (timeit(lambda: attention_cpu.paged_attention_cpu(q, k_cache, v_cache, starts, lens, tables, 0.125))
+           if cpu_lib.availability() else float("nan"))
+    return [_row(f"extend attention, {seqs}×{new} over {cached} (per layer)", seqs * new, ref, nat)]
+
+
+def extend_rows() -> list[dict]:
+    """The extend shapes of docs/cpu-attention.md: a later agent turn (4 × 64 new over 1,300
+    cached), a first prompt (512, nothing cached), one sequence's later turn (64 over 1,300)."""
+    return extend_attention(4, 64, 1300) + extend_attention(1, 512, 0) + extend_attention(1, 64, 1300)
+
+
 def native_rms_norm(tokens: int, hidden: int = 576) -> list[dict]:
     """RMSNorm with the residual add: the torch form the engine ran (in-place add, fused
     `rms_norm`) against the one native call."""
@@ -180,6 +207,7 @@ def all_rows(tokens: list[int]) -> list[dict]:
     return rows
 
 
-if __name__ == "__main__":
-    torch.set_num_threads(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
-    print(report(all_rows([1, 32])))
+if __name__ == "__main__":  # op_bench.py [THREADS] [--extend: only the extend attention rows]
+    torch.set_num_threads(int(next((a for a in sys.argv[1:] if a.isdigit()), 1)))
+    print(open("/proc/loadavg").read().strip(), "(load average)")
+    print(report(extend_rows() if "--extend" in sys.argv else all_rows([1, 32]) + extend_rows()))

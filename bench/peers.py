@@ -61,7 +61,7 @@ def targets(args: argparse.Namespace) -> tuple[list[Target], str | None]:
         out.append(Target("llama-server", f"{binary} -m {args.gguf} -t {args.threads} -np {slots} -c {ctx} "
                                           f"--host 127.0.0.1 {args.llama_arg}".strip()))
     extra = " ".join(args.pdserve_arg)
-    for mode in ("pd", "colocated"):
+    for mode in args.modes:
         command = f"{sys.executable} -m pdserve.launcher --mode {mode} {extra}"
         out.append(Target(f"pdserve {mode}", command.strip()))
     return out, note
@@ -181,6 +181,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server -t")
     p.add_argument("--llama-arg", default="", help="more llama-server flags")
     p.add_argument("--no-llama", action="store_true", help="run pdserve only")
+    p.add_argument("--modes", type=lambda s: s.split(","), default=["pd", "colocated"],
+                   help="pdserve modes to run (comma list of pd, colocated)")
     p.add_argument("--pdserve-arg", action="append", default=[],
                    help="one more `pdserve serve` flag (repeatable), e.g. --pdserve-arg=--kernels=torch")
     p.add_argument("--launch-timeout", type=float, default=900.0)

@@ -1,6 +1,7 @@
 """Build, cache and load libpdserve_cpu.so (csrc/cpu/: quantized matmuls, AVX2 and AVX-512 VNNI,
 and the packed int16 decode GEMV, AVX-512; paged decode attention, fused residual add + RMSNorm,
-RoPE and SwiGLU, AVX2; the fused decode blocks of a decoder layer).
+RoPE and SwiGLU, AVX2; paged extend attention (several new tokens per sequence over the cache),
+AVX2 and AVX-512; the fused decode blocks of a decoder layer).
 
 `make setup` builds it (`python -m pdserve_kernels.cpu_lib`); a process that finds no build for
 the current sources builds it on first use (seconds, the system C++ compiler, nothing fetched).
@@ -33,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LIB_NAME = "libpdserve_cpu.so"
-ABI_VERSION = 8
+ABI_VERSION = 9
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-DNDEBUG")
 UNIT_FLAGS: dict[str, tuple[str, ...]] = {
@@ -42,6 +43,10 @@ UNIT_FLAGS: dict[str, tuple[str, ...]] = {
     "qgemm_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                          "-mavx512dq", "-mavx512vnni"),
     "attention_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
+    "extend_attention.cpp": (),
+    "extend_attention_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
+    "extend_attention_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                                    "-mavx512dq"),
     "norm_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
     "layer_ops_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
     "qgemv_packed_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
@@ -143,6 +148,9 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
     lib.pds_cpu_paged_decode_attention.restype = _I
     lib.pds_cpu_paged_decode_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, *[_I64] * 5,
                                                    ctypes.c_float, _P, _I]
+    lib.pds_cpu_paged_extend_attention.restype = _I
+    lib.pds_cpu_paged_extend_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, *[_I64] * 5,
+                                                   ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_add_rms_norm.restype = _I
     lib.pds_cpu_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
     lib.pds_cpu_decode_attention_block.restype = _I
@@ -238,6 +246,36 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if status:
         why = "AVX2 unavailable" if status == 1 else "bad arguments"
         raise RuntimeError(f"pds_cpu_paged_decode_attention: {why} (B {B}, heads {heads}, "
+                           f"kv_heads {kv_heads}, head_dim {d}, block_size {block_size})")
+    return out
+
+
+def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, lens: torch.Tensor, starts: torch.Tensor, scale: float,
+                           isa: str | None = None, threads: int | None = None) -> torch.Tensor:
+    """out[T, heads, head_dim]: causal attention of each sequence's new tokens (q rows
+    `starts[b]:starts[b+1]`, the last of its `lens[b]` positions) over its context, K/V read in
+    place through `block_tables` (fp32 q and caches `[blocks, block_size, kv_heads, head_dim]`;
+    int64 tables, lens and starts; q's heads and head_dim contiguous, any token stride)."""
+    lib = _loaded()
+    T, heads, d = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    if (q.dtype, k_cache.dtype, v_cache.dtype) != (torch.float32,) * 3 or q.stride()[1:] != (d, 1) \
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or block_tables.stride(-1) != 1 \
+            or block_tables.dtype != torch.int64 or lens.dtype != torch.int64 or not lens.is_contiguous() \
+            or starts.dtype != torch.int64 or not starts.is_contiguous() or starts.numel() != lens.numel() + 1 \
+            or int(starts[-1]) != T:
+        raise ValueError("paged_extend_attention: fp32 q (heads, head_dim contiguous), contiguous fp32 caches, "
+                         "int64 block tables (rows contiguous), lengths and starts (one more than lengths, "
+                         "the last = q's rows)")
+    out = torch.empty(T, heads, d, dtype=torch.float32)
+    status = lib.pds_cpu_paged_extend_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), lens.data_ptr(), starts.data_ptr(), lens.numel(), heads, kv_heads, d, block_size,
+        scale, out.data_ptr(), ISAS[isa or default_isa()], threads or torch.get_num_threads())
+    if status:
+        why = f"instruction set {isa or default_isa()} unavailable" if status == 1 else "bad arguments"
+        raise RuntimeError(f"pds_cpu_paged_extend_attention: {why} (B {lens.numel()}, T {T}, heads {heads}, "
                            f"kv_heads {kv_heads}, head_dim {d}, block_size {block_size})")
     return out
 

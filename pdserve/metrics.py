@@ -168,6 +168,17 @@ class WorkerMetrics(_Base):
             "prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed).")
         self.prefix_cache_host_hits = self._counter(
             "prefix_cache_host_hits", "Prompt tokens of those hits loaded back from the host-memory tier.")
+        # the two tiers: what each holds and what each gives up
+        self.kv_blocks_cached = self._gauge(
+            "kv_blocks_cached", "Device KV blocks holding cached prefix content that no request holds (evictable).")
+        self.prefix_cache_evictions = self._counter(
+            "prefix_cache_evictions", "Cached device blocks evicted for new content (saved to the host tier if any).")
+        self.host_cache_blocks_used = self._gauge(
+            "host_cache_blocks_used", "Host-memory tier blocks holding a copy of an evicted device block.")
+        self.host_cache_blocks_total = self._gauge(
+            "host_cache_blocks_total", "Blocks of the host-memory tier (0: --host-cache-memory not set).")
+        self.host_cache_drops = self._counter(
+            "host_cache_drops", "Host-memory copies dropped (least recently used first) to make room.")
         self.num_preemptions = self._counter(
             "num_preemptions", "Running requests preempted (their KV dropped, recomputed later).")
         self._scheduler_totals: dict[str, int] = {}
@@ -214,12 +225,19 @@ class WorkerMetrics(_Base):
         self.kv_rooms_live.set(rooms_live)
         self.kv_writes_in_flight.set(writes_in_flight)
 
+    def cache_tiers(self, *, device_cached: int, host_used: int, host_total: int) -> None:
+        self.kv_blocks_cached.set(device_cached)
+        self.host_cache_blocks_used.set(host_used)
+        self.host_cache_blocks_total.set(host_total)
+
     def scheduler_counts(self, *, cache_queries: int, cache_hits: int, preemptions: int,
-                         host_hits: int = 0) -> None:
+                         host_hits: int = 0, evictions: int = 0, host_drops: int = 0) -> None:
         """The scheduler's cumulative counts → increments since the last call."""
         for metric, key, total in ((self.prefix_cache_queries, "queries", cache_queries),
                                    (self.prefix_cache_hits, "hits", cache_hits),
                                    (self.prefix_cache_host_hits, "host_hits", host_hits),
+                                   (self.prefix_cache_evictions, "evictions", evictions),
+                                   (self.host_cache_drops, "host_drops", host_drops),
                                    (self.num_preemptions, "preemptions", preemptions)):
             metric.inc(max(total - self._scheduler_totals.get(key, 0), 0))
             self._scheduler_totals[key] = total

@@ -1,4 +1,4 @@
-// Paged decode attention on the CPU: one query token per sequence over its K/V read in place
+// Paged attention on the CPU. Decode: one query token per sequence over its K/V read in place
 // from the paged cache (`[blocks, block_size, kv_heads, head_dim]`, fp32) through its block
 // table. GQA: the `heads / kv_heads` query heads of one KV head are one unit of work, so each
 // key and value row is read once for all of them. Softmax is online (running max and sum, per
@@ -32,5 +32,48 @@ inline int64_t decode_attention_scratch(const DecodeAttention& a) {
 
 // Sequence `b`, KV head `kvh`: its group of query heads attended over the sequence's context.
 void decode_attention_avx2(const DecodeAttention& a, int64_t b, int64_t kvh, float* scratch);
+
+// Extend (chunked prefill over a cached prefix): several new tokens per sequence, causal. The
+// new tokens of sequence b are q rows [starts[b], starts[b+1]) and sit at the last n_b positions
+// of its context (lens[b] tokens, their K/V already in the cache): new token j sees keys
+// 0..lens[b] - n_b + j. A unit of work is (sequence, KV head, tile of query rows): the tile's
+// rows times the group's heads are the rows of two small GEMMs per chunk of keys (scores, then
+// values), with every key and value row loaded once for all of them (extend_attention_impl.h).
+struct ExtendAttention {
+  const float* q;            // [T][heads][head_dim], token row stride q_stride (floats)
+  int64_t q_stride;
+  const float* k_cache;      // [blocks][block_size][kv_heads][head_dim]
+  const float* v_cache;
+  const int64_t* tables;     // [B][table_stride] block ids
+  int64_t table_stride;
+  const int64_t* lens;       // [B] context lengths (cached + new)
+  const int64_t* starts;     // [B + 1] first q row of each sequence (query_start_loc)
+  float* out;                // [T][heads][head_dim]
+  int64_t heads, kv_heads, head_dim, block_size;
+  float scale;
+};
+
+// Keys per chunk of the online softmax (any keys: a chunk may span blocks).
+constexpr int64_t kExtendKeys = 64;
+// Query rows (tokens x heads of one KV head) a tile aims at: 48 is 3 vectors of AVX-512, 6 of
+// AVX2, and a multiple of the GQA groups 1, 2, 3, 4, 6, 8 used by models here.
+constexpr int64_t kExtendTileRows = 48;
+
+// New tokens per tile (fixed by the shapes, never by the thread count or the ISA). Static: units
+// compiled with different ISA flags include it, and each keeps its own copy.
+static inline int64_t extend_tokens_per_tile(const ExtendAttention& a) {
+  const int64_t group = a.heads / a.kv_heads;
+  return group >= kExtendTileRows ? 1 : kExtendTileRows / group;
+}
+
+// Scratch floats one unit needs (the caller gives each thread its own): query rows padded to 16.
+static inline int64_t extend_attention_scratch(const ExtendAttention& a) {
+  const int64_t rows = (extend_tokens_per_tile(a) * (a.heads / a.kv_heads) + 15) / 16 * 16;
+  return rows * (2 * a.head_dim + kExtendKeys + 3);
+}
+
+// Sequence `b`, KV head `kvh`, new tokens [tok0, tok0 + tokens per tile) (clipped): one unit.
+void extend_attention_avx2(const ExtendAttention& a, int64_t b, int64_t kvh, int64_t tok0, float* scratch);
+void extend_attention_avx512(const ExtendAttention& a, int64_t b, int64_t kvh, int64_t tok0, float* scratch);
 
 }  // namespace pds_cpu

@@ -105,7 +105,7 @@ using namespace pds_cpu;
 
 extern "C" {
 
-__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 8; }
+__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 9; }
 
 // The instruction set `isa` (0 auto) resolves to on this CPU: 1 AVX2, 2 AVX-512 VNNI, 0 none.
 __attribute__((visibility("default"))) int pds_cpu_isa(int isa) {

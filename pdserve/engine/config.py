@@ -20,6 +20,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes of KV pool per rank; None: auto (see fit_context)
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512   # chunked-prefill token budget per step
+    max_prefill_tokens: int | None = None  # of it, prompt tokens beside a sampled token; None: auto (prefill_budget)
     max_model_len: int | None = None    # default: the model's max_position_embeddings
     threads: int = 0                    # torch CPU threads (0: leave torch's setting; the CLI gives the cores' share)
     kernels: str = "auto"               # op backend: auto | torch | native (see pdserve_kernels)
@@ -30,6 +31,20 @@ class EngineConfig:
     host_cache_memory: int = 0          # bytes of host memory for evicted cached blocks (0: no second tier)
     overlap: bool = False               # plan step N+1 while step N's forward runs (docs/overlap.md)
 
+    def prefill_budget(self) -> int | None:
+        """Prompt tokens a step may compute beside a token it samples (a decode's, a prompt's
+        first): SchedulerConfig.max_prefill_tokens.
+
+        Unset: CPU_PREFILL_TOKENS on a CPU, where a step's time grows with its tokens almost in
+        proportion, so the bound keeps the gap between a stream's tokens short at little cost
+        in throughput; on a GPU no bound but max_num_batched_tokens (a step's fixed cost
+        dominates there). Measurements: docs/step-budget.md."""
+        if self.max_prefill_tokens is not None:
+            if self.max_prefill_tokens < 1:
+                raise ValueError(f"max_prefill_tokens must be at least 1, not {self.max_prefill_tokens}")
+            return self.max_prefill_tokens
+        return CPU_PREFILL_TOKENS if self.device.startswith("cpu") else None
+
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.float32 if self.device == "cpu" else torch.bfloat16
@@ -38,6 +53,7 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
 
+CPU_PREFILL_TOKENS = 256  # prompt tokens beside a sampled token, by default on a CPU (docs/step-budget.md)
 AUTO_KV_MEMORY = 256 << 20  # the least an automatic KV pool gets (per rank)
 AUTO_KV_LIMIT = 4 << 30     # an automatic pool grows to hold one full context up to this size
 

@@ -85,9 +85,12 @@ class LLMEngine:
         # everything besides the tokens that shapes a block's KV starts its names' chain
         salt = salt_of(str(self.model_dir), str(dtype), config.quantization, config.nvfp4_mode,
                        config.index_cache_dtype, config.block_size, tp.size)
+        # a PD prefill worker never decodes: no stream waits on its steps, so only an explicit
+        # --max-prefill-tokens bounds them (docs/step-budget.md)
+        prefill_tokens = config.prefill_budget() if kv_role != KVRole.PREFILL else config.max_prefill_tokens
         self.scheduler = Scheduler(
             SchedulerConfig(config.block_size, config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                            salt, overlap=config.overlap),
+                            salt, overlap=config.overlap, max_prefill_tokens=prefill_tokens),
             self.allocator, eos_token_ids(self.model_dir))
         self.runner = ModelRunner(self.model, self.pool, config.device, tp)
         # constrained decoding: only rank 0 samples, so only its cache ever compiles (lockstep.py)

@@ -6,11 +6,23 @@ past the device's cached blocks into this tier gets fresh device blocks loaded f
 before the step's forward. Least recently saved or used copies are dropped first when the tier
 is full; a copy being loaded this step is pinned and never dropped or overwritten.
 
-Copies are synchronous and happen inside `Scheduler.apply`, before the step's forward: the
-evicted block is still intact when it is saved (nobody held it), and a loaded block is
-complete before anything reads it. On CUDA the host tensors are pinned (page-locked), so a
-later asynchronous write-back can reuse them. Every step's saves and loads follow from the plan
-and the device's LRU order, so every TP rank keeps an identical tier (it is in the digest).
+Copies are issued inside `Scheduler.apply`, before the step's forward: the evicted block is
+still intact when it is saved (nobody held it), and a loaded block is complete before anything
+reads it. On a CPU they are plain copies on the loop thread. On CUDA the host tensors are pinned
+(page-locked) and the copies are asynchronous, on a stream of the tier's own, so the loop thread
+never waits for the device (with `--overlap` a synchronous copy would wait for the forward in
+flight). The order on the device keeps every copy safe without the host waiting:
+
+* the copy stream first waits for the compute stream, so a block is saved only once every
+  forward queued before it has written it;
+* the compute stream then waits for the copy stream, so the next forward neither overwrites a
+  block being saved nor reads one being loaded;
+* all copies share one stream, so a host block is never overwritten by a save while a load
+  from it is still running, nor read by a load before the save into it has finished. Nothing on
+  the host reads the tier's bytes.
+
+Every step's saves and loads follow from the plan and the device's LRU order, so every TP rank
+keeps an identical tier (it is in the digest).
 """
 from __future__ import annotations
 
@@ -29,10 +41,11 @@ class HostTier:
     def __init__(self, pool: KVPool, num_blocks: int):
         if num_blocks < 1:
             raise ValueError("the host cache tier needs at least one block")
-        pin = torch.cuda.is_available() and any(t.is_cuda for t in pool.tensors())
+        device = pool.tensors()[0].device
         self.pool, self.num_blocks = pool, num_blocks
-        self.tensors = [torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=pin)
+        self.tensors = [torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=device.type == "cuda")
                         for t in pool.tensors()]
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._empty: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[BlockHash, int] = OrderedDict()  # name → host block, oldest first
         self._pins: dict[BlockHash, int] = {}
@@ -74,8 +87,7 @@ class HostTier:
         hb = self._empty.popleft() if self._empty else self._drop_oldest()
         if hb is None:  # every copy is pinned by this step's loads: this one is lost
             return
-        for h, d in zip(self.tensors, self.pool.tensors()):
-            h[hb].copy_(d[block])
+        self._copy([(h[hb], d[block]) for h, d in zip(self.tensors, self.pool.tensors())])
         self._lru[name] = hb
         self.num_saved += 1
 
@@ -89,10 +101,23 @@ class HostTier:
     def load(self, name: BlockHash, block: int) -> None:
         """Copy the host copy `name` into device block `block`."""
         hb = self._lru[name]
-        for h, d in zip(self.tensors, self.pool.tensors()):
-            d[block].copy_(h[hb])
+        self._copy([(d[block], h[hb]) for h, d in zip(self.tensors, self.pool.tensors())])
         self._lru.move_to_end(name)
         self.num_loaded += 1
+
+    def _copy(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Copy each (destination, source) pair: inline on a CPU, queued on the tier's stream on
+        CUDA between the two waits that order it against the forwards (module docstring)."""
+        if self.stream is None:
+            for dst, src in pairs:
+                dst.copy_(src)
+            return
+        compute = torch.cuda.current_stream(self.stream.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
+        compute.wait_stream(self.stream)
 
     def digest(self) -> bytes:
         h = hashlib.blake2b(digest_size=8)

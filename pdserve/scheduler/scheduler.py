@@ -16,6 +16,12 @@ growth, and wants the whole prompt's blocks at once; when running streams need b
 the most recently admitted is preempted first, and a request alone in the running batch is
 never preempted (it waits for held rooms to give blocks back instead).
 
+Step budget (`_Budget`, docs/step-budget.md): a step computes at most
+`max_num_batched_tokens` tokens; if any request samples in it (a decode, or a prompt's last
+chunk), at most `max_prefill_tokens` of them only for their KV (prompt tokens but the last),
+so that its token is not held back by a long step. Running requests come first, then waiting
+prompts in order, each chunked to what is left.
+
 Overlap (`SchedulerConfig.overlap`, scheduler/lockstep.py): a plan is made while the previous
 step's forward still runs, so a request's newest token may not be known yet. `futures` counts,
 per request, the tokens a forward samples (or sampled) that no plan has delivered yet; a
@@ -49,6 +55,10 @@ class SchedulerConfig:
     max_model_len: int = 8192
     cache_salt: bytes = b""  # starts every block-name chain (kvcache/prefix.py: salt_of)
     overlap: bool = False  # plans are made while the previous forward runs (see above)
+    # of max_num_batched_tokens, the most a step in which a request samples (a decode, a
+    # prompt's last chunk) computes only for their KV (prompt tokens, bar the last): bounds
+    # the wait for a token (`_Budget`, docs/step-budget.md); None: max_num_batched_tokens only
+    max_prefill_tokens: int | None = None
 
 
 class _Books:
@@ -88,6 +98,35 @@ class _Ends:
     books: _Books
     gone: set[str] = field(default_factory=set)
     arrived: list[SampledToken] = field(default_factory=list)
+
+
+@dataclass
+class _Budget:
+    """One step's tokens (docs/step-budget.md): `tokens` left of max_num_batched_tokens; of the
+    tokens computed only for their KV (`kv`: a prompt chunk's, bar the last prompt token, which
+    is sampled from), at most `cap` once a request samples in the step (a decode, or a prompt's
+    last chunk): that bounds the wait for its token. A step where none samples spends them all."""
+
+    tokens: int
+    cap: int | None
+    samples: bool
+    kv: int = 0
+
+    def chunk(self, pending: int) -> int:
+        """How many of a request's `pending` tokens this step takes (0: none)."""
+        n = min(pending, self.tokens)
+        if self.cap is None:
+            return n
+        if n == pending:  # it samples: then the step's tokens for the KV must be within the cap
+            if self.kv + n - 1 <= self.cap:
+                return n
+            n -= 1  # its last token (and its first output) waits for a step that is short enough
+        return min(n, max(0, self.cap - self.kv)) if self.samples else n
+
+    def take(self, n: int, pending: int) -> None:
+        self.tokens -= n
+        self.kv += n - (n == pending)
+        self.samples |= n == pending
 
 
 @dataclass
@@ -266,13 +305,15 @@ class Scheduler:
                           computes_all=r.params.prompt_logprobs is not None)
                     for r in admitted if r.kv is not KVRole.DECODE]
 
-        budget, batch, preempted = cfg.max_num_batched_tokens, [], []
+        batch, preempted = [], []
+        budget = _Budget(cfg.max_num_batched_tokens, cfg.max_prefill_tokens,
+                         samples=any(s.num_pending == 1 for s in running))
         scheduled: set[str] = set()
-        while running and budget > 0:
+        while running and budget.tokens > 0:
             slot = next((s for s in running if s.request_id not in scheduled), None)
             if slot is None:
                 break
-            n = min(slot.num_pending, budget)
+            n = budget.chunk(slot.num_pending)
             scheduled.add(slot.request_id)
             need = self._blocks_for(slot.num_computed + n) - len(slot.blocks)
             stalled = False
@@ -288,16 +329,18 @@ class Scheduler:
             if stalled or slot.request_id in preempted or n == 0:
                 continue
             books.free -= need
-            budget -= n
+            budget.take(n, slot.num_pending)
             batch.append(ScheduledChunk(slot.request_id, n))
         if not preempted:
             num_running = len(running)
             for slot in waiting:
-                if budget <= 0 or num_running >= cfg.max_num_seqs:
+                if budget.tokens <= 0 or num_running >= cfg.max_num_seqs:
                     break
                 hit, from_host = self._cache_hit(slot)  # host copies need device blocks too
                 cached = (len(hit) + from_host) * cfg.block_size
-                n = min(slot.num_pending - cached, budget)
+                n = budget.chunk(slot.num_pending - cached)
+                if n == 0:  # the budget for prompts is spent: they start in order
+                    break
                 # the whole prompt's blocks (and its first output's), plus one block of growth
                 # for every running stream, or it waits: admitting it must not preempt them
                 whole = self._blocks_for(slot.num_pending + 1) - len(hit)
@@ -305,7 +348,7 @@ class Scheduler:
                     break
                 books.take(hit)
                 books.free -= self._blocks_for(cached + n) - len(hit)
-                budget -= n
+                budget.take(n, slot.num_pending - cached)
                 num_running += 1
                 batch.append(ScheduledChunk(slot.request_id, n, cached))
         return batch, preempted

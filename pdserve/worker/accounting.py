@@ -53,8 +53,12 @@ class Accounting:
         self.metrics.set_load(running=len(scheduler.running),
                               waiting=len(scheduler.waiting) + len(scheduler.held),
                               used_blocks=a.num_used, total_blocks=a.num_blocks)
+        host = a.host
+        self.metrics.cache_tiers(device_cached=a.num_cached, host_used=host.num_cached if host else 0,
+                                 host_total=host.num_blocks if host else 0)
         self.metrics.scheduler_counts(cache_queries=a.num_queries, cache_hits=a.num_hits,
-                                      preemptions=scheduler.num_preemptions, host_hits=a.num_host_hits)
+                                      preemptions=scheduler.num_preemptions, host_hits=a.num_host_hits,
+                                      evictions=a.num_evictions, host_drops=host.num_dropped if host else 0)
 
     def agent(self, counts: dict[str, int]) -> None:
         """The agent's cumulative counters → metric increments since the last call."""

@@ -15,12 +15,13 @@ from pdserve.engine.sampling_params import SamplingParams
 BS = 4
 
 
-def make_engine(model_dir: str, cache: bool, blocks: int = 256, host_blocks: int = 0) -> LLMEngine:
+def make_engine(model_dir: str, cache: bool, blocks: int = 256, host_blocks: int = 0,
+                device: str = "cpu") -> LLMEngine:
     # tiny_llama: 2 layers × (K, V) × 2 KV heads × 16 dims × 4 bytes per token
     per_block = BS * 2 * 2 * 2 * 16 * 4
     return LLMEngine(EngineConfig(model=model_dir, block_size=BS, kv_cache_memory=blocks * per_block,
                                   max_num_batched_tokens=32, max_num_seqs=8, prefix_cache=cache,
-                                  host_cache_memory=host_blocks * per_block))
+                                  host_cache_memory=host_blocks * per_block, device=device, dtype="float32"))
 
 
 def generate(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int = 6
@@ -147,12 +148,18 @@ def test_no_prefix_cache_flag_reaches_the_workers_engine_config():
     assert "--no-prefix-cache" not in engine_flags(build_parser().parse_args(["serve"]))
 
 
-def test_multiturn_with_hits_from_the_host_tier_equals_cache_off(tiny_llama_dir):
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+])
+def test_multiturn_with_hits_from_the_host_tier_equals_cache_off(tiny_llama_dir, device):
     """A device pool too small to keep the conversations: their blocks are evicted to host
-    memory and loaded back on the next turn; the tokens are those of the cache-off engine."""
+    memory and loaded back on the next turn; the tokens are those of the cache-off engine. On
+    CUDA the tier's copies are asynchronous, on their own stream (kvcache/host.py)."""
     system = [random.Random(2).randrange(3, 300) for _ in range(37)]
-    on = make_engine(tiny_llama_dir, True, 24, host_blocks=200)
-    off = make_engine(tiny_llama_dir, False, 24)
+    on = make_engine(tiny_llama_dir, True, 24, host_blocks=200, device=device)
+    off = make_engine(tiny_llama_dir, False, 24, device=device)
+    assert (on.allocator.host.stream is not None) == (device == "cuda")
     prompts, got, cached = conversation(on, 3, 3, system, seed=7)
     _, ref, _ = conversation(off, 3, 3, system, seed=7)
     assert_same_greedy(tiny_llama_dir, prompts, got, ref)

@@ -4,9 +4,12 @@ thread agrees and broadcasts the next plan on the control group; random admissio
 rank-local transfer outcomes land while a forward is in flight. Every rank keeps the same state
 after every step, and ends with empty schedulers and a full pool. 2,000 steps, not the plain
 harness's 10,000: an overlapped step here costs ≈8 ms on a busy 2-core machine (two threads per
-rank waking each other), so 10,000 would take ≈80 s of the test budget (docs/overlap.md)."""
+rank waking each other), so 10,000 would take ≈80 s of the test budget (docs/overlap.md).
+`make lockstep-soak` runs it with PDSERVE_LOCKSTEP_STEPS=10000 (the spawned ranks read the same
+variable when they import this module)."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -22,7 +25,7 @@ from pdserve.scheduler.plan import KVPeer, SampledToken
 from tests.scheduler.lockstep_ranks import RandomInbox, run_ranks
 from tests.scheduler.test_lockstep_harness import RandomTransfers
 
-STEPS = 2_000
+STEPS = int(os.environ.get("PDSERVE_LOCKSTEP_STEPS", "2000"))
 DRAIN = 100
 
 
@@ -78,9 +81,9 @@ def rank_main(rank: int, port: int, results) -> None:
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(300 + STEPS // 20)
 def test_overlapped_steps_keep_ranks_identical():
-    got = run_ranks(rank_main, timeout=250)
+    got = run_ranks(rank_main, timeout=250 + STEPS // 20)
     (ctl0, model0, dig0, free0, ph0), (ctl1, model1, dig1, free1, ph1) = got[0], got[1]
     assert len(ctl0) == 2 * STEPS
     assert ctl0 == ctl1 and model0 == model1  # the same collectives, in the same order, per group

@@ -34,11 +34,11 @@ def prompts(rng: random.Random, n: int, least: int = 5) -> list[list[int]]:
     return [systems[i % 3] + [rng.randrange(3, 320) for _ in range(rng.randint(least, 60))] for i in range(n)]
 
 
-def host_hits(w) -> float:
+def metric(w, name: str) -> float:
     for line in w.get("/metrics").text.splitlines():
-        if line.startswith("pdserve:prefix_cache_host_hits_total{"):
+        if line.startswith(f"pdserve:{name}{{"):
             return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    raise AssertionError(f"no pdserve:{name} on {w.url}")
 
 
 @pytest.mark.e2e
@@ -77,7 +77,10 @@ def test_mass_abort_with_shared_prefixes_and_a_host_tier_under_tp2_pd(tiny_llama
         # the same 50 again: the first ones' blocks were evicted by the last ones, into host memory
         got = run_all(prefill, decode, after, prefix="again")
         assert_equal_greedy(tiny_llama4_dir, after, got, ref)
-        assert host_hits(prefill) > 0, prefill.get("/info").json()
+        assert metric(prefill, "prefix_cache_host_hits_total") > 0, prefill.get("/info").json()
+        # both tiers' metrics: the device evicted into the host tier, which now holds copies
+        assert metric(prefill, "prefix_cache_evictions_total") > 0
+        assert 0 < metric(prefill, "host_cache_blocks_used") <= metric(prefill, "host_cache_blocks_total")
         wait_for(lambda: pool_full(prefill) and pool_full(decode), 60, "pools full at the end")
         for w in (prefill, decode):  # no divergence, and the idle books balanced on every rank
             assert w.get("/health").status_code == 200, w.get("/health").text

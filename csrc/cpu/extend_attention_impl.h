@@ -1,0 +1,190 @@
+// The extend attention of one unit (attention.h: sequence, KV head, tile of new tokens), written
+// once over an instruction set's vector type `V` and included by each ISA unit
+// (extend_attention_avx2.cpp, extend_attention_avx512.cpp). `V` is a struct in that unit's
+// anonymous namespace, so every instantiation below has internal linkage: two units compiled
+// with different flags never share a symbol the linker could pick either of.
+//
+// Layout: the vector lanes run over query rows (m = token-in-tile * group + head-in-group), so
+//   scores   S[j][m]  = sum_i K[j][i] * Qt[i][m]      (K elements broadcast, Qt rows loaded)
+//   values   Ot[i][m] = alpha[m] Ot[i][m] + sum_j V[j][i] * P[j][m]
+// and the online softmax (per row m: max over keys, exp, sum) is element-wise over vectors of
+// rows: no horizontal reductions, no transposed copy of K, and each K and V row is read from the
+// cache in place (through the block table) once per chunk for every row of the tile.
+//
+// V provides: reg, W (lanes), KB (keys per score tile), IB (head dims per value tile), MB (row
+// vectors per tile); zero, load, store, bcast (one float broadcast), set1, fmadd(a, b, c) = a*b+c,
+// mul, add, sub, max, exp_nonpositive (e^x for x <= 0, 0 below -87.3, at -inf and for NaN).
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "attention.h"
+
+namespace pds_cpu {
+namespace extend_detail {
+
+// S[j0 + kb][(mv0 + mb) * W ...] for kb < KB, mb < MB: KB keys against MB vectors of rows.
+template <class V, int KB, int MB>
+inline void score_tile(const float* const* krow, const float* qt, int64_t mp, int64_t d, float* s,
+                       int64_t j0, int64_t mv0) {
+  using reg = typename V::reg;
+  reg acc[KB][MB];
+  const float* kp[KB];
+  for (int kb = 0; kb < KB; ++kb) {
+    kp[kb] = krow[j0 + kb];
+    for (int mb = 0; mb < MB; ++mb) acc[kb][mb] = V::zero();
+  }
+  const float* qrow = qt + mv0 * V::W;
+  for (int64_t i = 0; i < d; ++i, qrow += mp) {
+    reg qv[MB];
+    for (int mb = 0; mb < MB; ++mb) qv[mb] = V::load(qrow + mb * V::W);
+    for (int kb = 0; kb < KB; ++kb) {
+      const reg k = V::bcast(kp[kb] + i);
+      for (int mb = 0; mb < MB; ++mb) acc[kb][mb] = V::fmadd(k, qv[mb], acc[kb][mb]);
+    }
+  }
+  for (int kb = 0; kb < KB; ++kb)
+    for (int mb = 0; mb < MB; ++mb) V::store(s + (j0 + kb) * mp + (mv0 + mb) * V::W, acc[kb][mb]);
+}
+
+// Every row vector from mv0 on, MB at a time, then the rest with fewer.
+template <class V, int KB, int MB>
+inline void score_cols(const float* const* krow, const float* qt, int64_t mp, int64_t d, float* s,
+                       int64_t j0, int64_t mv0, int64_t nv) {
+  for (; mv0 + MB <= nv; mv0 += MB) score_tile<V, KB, MB>(krow, qt, mp, d, s, j0, mv0);
+  if constexpr (MB > 1) {
+    if (mv0 < nv) score_cols<V, KB, MB - 1>(krow, qt, mp, d, s, j0, mv0, nv);
+  }
+}
+
+// Ot[i0 + ib][(mv0 + mb) * W ...] = alpha * Ot + sum_j V[j][i0 + ib] * P[j][...], j < kc.
+template <class V, int IB, int MB>
+inline void value_tile(const float* const* vrow, const float* p, const float* alpha, int64_t mp,
+                       int64_t kc, float* ot, int64_t i0, int64_t mv0) {
+  using reg = typename V::reg;
+  reg acc[IB][MB];
+  for (int mb = 0; mb < MB; ++mb) {
+    const reg al = V::load(alpha + (mv0 + mb) * V::W);
+    for (int ib = 0; ib < IB; ++ib) acc[ib][mb] = V::mul(V::load(ot + (i0 + ib) * mp + (mv0 + mb) * V::W), al);
+  }
+  const float* prow = p + mv0 * V::W;
+  for (int64_t j = 0; j < kc; ++j, prow += mp) {
+    reg pv[MB];
+    for (int mb = 0; mb < MB; ++mb) pv[mb] = V::load(prow + mb * V::W);
+    const float* v = vrow[j] + i0;
+    for (int ib = 0; ib < IB; ++ib) {
+      const reg vb = V::bcast(v + ib);
+      for (int mb = 0; mb < MB; ++mb) acc[ib][mb] = V::fmadd(vb, pv[mb], acc[ib][mb]);
+    }
+  }
+  for (int ib = 0; ib < IB; ++ib)
+    for (int mb = 0; mb < MB; ++mb) V::store(ot + (i0 + ib) * mp + (mv0 + mb) * V::W, acc[ib][mb]);
+}
+
+template <class V, int IB, int MB>
+inline void value_cols(const float* const* vrow, const float* p, const float* alpha, int64_t mp,
+                       int64_t kc, float* ot, int64_t i0, int64_t mv0, int64_t nv) {
+  for (; mv0 + MB <= nv; mv0 += MB) value_tile<V, IB, MB>(vrow, p, alpha, mp, kc, ot, i0, mv0);
+  if constexpr (MB > 1) {
+    if (mv0 < nv) value_cols<V, IB, MB - 1>(vrow, p, alpha, mp, kc, ot, i0, mv0, nv);
+  }
+}
+
+// One unit: sequence b, KV head kvh, new tokens [tok0, tok1) of the sequence.
+template <class V>
+void extend_unit(const ExtendAttention& a, int64_t b, int64_t kvh, int64_t tok0, float* scratch) {
+  constexpr int W = V::W;
+  using reg = typename V::reg;
+  const int64_t group = a.heads / a.kv_heads, d = a.head_dim, bs = a.block_size;
+  const int64_t start = a.starts[b], n = a.starts[b + 1] - start, ctx = a.lens[b];
+  const int64_t first = ctx - n;  // position of the first new token
+  const int64_t tok1 = std::min(n, tok0 + extend_tokens_per_tile(a));
+  const int64_t m = (tok1 - tok0) * group, mp = (m + W - 1) / W * W, nv = mp / W;
+  const int64_t row = a.kv_heads * d;  // floats between neighbouring tokens of the cache
+  const int64_t* table = a.tables + b * a.table_stride;
+  float* qt = scratch;        // [d][mp]   the tile's queries, transposed, times the scale
+  float* ot = qt + d * mp;    // [d][mp]   output accumulators
+  float* s = ot + d * mp;     // [kExtendKeys][mp] scores, then probabilities
+  float* run_max = s + kExtendKeys * mp;  // [mp]
+  float* run_sum = run_max + mp;          // [mp]
+  float* alpha = run_sum + mp;            // [mp] this chunk's rescale of the accumulators
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t t = tok0; t < tok1; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const float* q = a.q + (start + t) * a.q_stride + (kvh * group + g) * d;
+      const int64_t r = (t - tok0) * group + g;
+      for (int64_t i = 0; i < d; ++i) qt[i * mp + r] = q[i] * a.scale;
+    }
+  for (int64_t i = 0; i < d; ++i)  // padding rows: zero queries (finite scores, never written out)
+    for (int64_t r = m; r < mp; ++r) qt[i * mp + r] = 0.0f;
+  std::fill(ot, ot + d * mp, 0.0f);
+  std::fill(run_max, run_max + mp, neg_inf);
+  std::fill(run_sum, run_sum + mp, 0.0f);
+
+  // Keys [0, diag] are seen by every row of the tile; the last row sees up to kend - 1, and no
+  // key after that is read (the causally masked chunks are skipped).
+  const int64_t diag = first + tok0, kend = first + tok1;
+  // f(t, offset of key t's row for this KV head) for keys [t0, t1): one table lookup a block
+  const auto for_rows = [&](int64_t t0, int64_t t1, const auto& f) {
+    for (int64_t t = t0; t < t1;) {
+      const int64_t blk = t / bs, end = std::min(t1, (blk + 1) * bs);
+      const int64_t base = (table[blk] * bs - blk * bs) * row + kvh * d;
+      for (; t < end; ++t) f(t, base + t * row);
+    }
+  };
+  const float* krow[kExtendKeys + V::KB];
+  const float* vrow[kExtendKeys];
+  for (int64_t c0 = 0; c0 < kend; c0 += kExtendKeys) {
+    const int64_t kc = std::min(kExtendKeys, kend - c0);
+    for_rows(c0, c0 + kc, [&](int64_t j, int64_t off) {
+      krow[j - c0] = a.k_cache + off;
+      vrow[j - c0] = a.v_cache + off;
+    });
+    // the next chunk's rows into L2 while this one is computed: its blocks are anywhere in the
+    // cache, so the hardware prefetchers cannot guess them
+    for_rows(c0 + kc, std::min(kend, c0 + kc + kExtendKeys), [&](int64_t, int64_t off) {
+      for (int64_t i = 0; i < d; i += 16) {
+        __builtin_prefetch(a.k_cache + off + i, 0, 2);
+        __builtin_prefetch(a.v_cache + off + i, 0, 2);
+      }
+    });
+    const int64_t kcp = (kc + V::KB - 1) / V::KB * V::KB;
+    for (int64_t j = kc; j < kcp; ++j) krow[j] = krow[kc - 1];  // score rows never read
+    for (int64_t j0 = 0; j0 < kcp; j0 += V::KB) score_cols<V, V::KB, V::MB>(krow, qt, mp, d, s, j0, 0, nv);
+    // causal mask: key c0 + j > diag is hidden from the rows whose token is before it
+    for (int64_t j = std::max<int64_t>(0, diag + 1 - c0); j < kc; ++j)
+      std::fill(s + j * mp, s + j * mp + (c0 + j - diag) * group, neg_inf);
+    // online softmax, element-wise over vectors of rows
+    for (int64_t v = 0; v < nv; ++v) {
+      const reg old_max = V::load(run_max + v * W);
+      reg mx = old_max;
+      for (int64_t j = 0; j < kc; ++j) mx = V::max(mx, V::load(s + j * mp + v * W));
+      reg sum = V::zero();
+      for (int64_t j = 0; j < kc; ++j) {
+        const reg p = V::exp_nonpositive(V::sub(V::load(s + j * mp + v * W), mx));
+        V::store(s + j * mp + v * W, p);
+        sum = V::add(sum, p);
+      }
+      // e^(old - new): 0 on the first chunk (old = -inf); a row whose keys of this chunk are
+      // all masked keeps its max, so alpha is 1 and its probabilities 0
+      const reg al = V::exp_nonpositive(V::sub(old_max, mx));
+      V::store(alpha + v * W, al);
+      V::store(run_sum + v * W, V::fmadd(V::load(run_sum + v * W), al, sum));
+      V::store(run_max + v * W, mx);
+    }
+    int64_t i0 = 0;
+    for (; i0 + V::IB <= d; i0 += V::IB) value_cols<V, V::IB, V::MB>(vrow, s, alpha, mp, kc, ot, i0, 0, nv);
+    for (; i0 < d; ++i0) value_cols<V, 1, V::MB>(vrow, s, alpha, mp, kc, ot, i0, 0, nv);
+  }
+  for (int64_t t = tok0; t < tok1; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t r = (t - tok0) * group + g;
+      const float inv = 1.0f / run_sum[r];
+      float* out = a.out + ((start + t) * a.heads + kvh * group + g) * d;
+      for (int64_t i = 0; i < d; ++i) out[i] = ot[i * mp + r] * inv;
+    }
+}
+
+}  // namespace extend_detail
+}  // namespace pds_cpu
