@@ -21,21 +21,14 @@ import torch
 
 from pdserve_kernels import attention, attention_cpu, cpu_lib
 
+from tests.kernels.test_cpu_paged_attention import random_paged_cache
+
 
 def _case(new: list[int], cached: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int,
           seed: int):
     g = torch.Generator().manual_seed(seed)
     lens = [c + n for c, n in zip(cached, new)]
-    per_seq = [(n + block_size - 1) // block_size for n in lens]
-    num_blocks = sum(per_seq) + 3
-    order = torch.randperm(num_blocks, generator=g)
-    tables = torch.zeros(len(lens), max(per_seq) + 2, dtype=torch.long)  # padded with block 0
-    used = 0
-    for i, n in enumerate(per_seq):
-        tables[i, :n] = order[used:used + n]
-        used += n
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    k_cache, v_cache, tables = random_paged_cache(lens, kv_heads, head_dim, block_size, g)
     qkv = torch.randn(sum(new), heads + 2 * kv_heads, head_dim, generator=g)
     starts = [0]
     for n in new:

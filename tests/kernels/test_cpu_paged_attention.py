@@ -21,19 +21,26 @@ from pdserve_kernels import attention, attention_cpu, cpu_lib
 
 
 
-def _case(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
+def random_paged_cache(lens: list[int], kv_heads: int, head_dim: int, block_size: int, g: torch.Generator
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches and shuffled block tables for contexts of `lens` tokens; each table row
+    padded with block 0, as the model runner pads them. Also used by test_cpu_extend_attention."""
     per_seq = [(n + block_size - 1) // block_size for n in lens]
     num_blocks = sum(per_seq) + 3
     order = torch.randperm(num_blocks, generator=g)
-    width = max(per_seq) + 2  # padded rows, as the model runner pads them (with block 0)
-    tables = torch.zeros(len(lens), width, dtype=torch.long)
+    tables = torch.zeros(len(lens), max(per_seq) + 2, dtype=torch.long)
     used = 0
     for i, n in enumerate(per_seq):
         tables[i, :n] = order[used:used + n]
         used += n
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    return k_cache, v_cache, tables
+
+
+def _case(lens: list[int], heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    k_cache, v_cache, tables = random_paged_cache(lens, kv_heads, head_dim, block_size, g)
     # q heads are a view into a wider row, like the q part of the fused qkv projection
     qkv = torch.randn(len(lens), heads + 2 * kv_heads, head_dim, generator=g)
     return qkv[:, :heads], k_cache, v_cache, tables
