@@ -34,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LIB_NAME = "libpdserve_cpu.so"
-ABI_VERSION = 9
+ABI_VERSION = 10
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-DNDEBUG")
 UNIT_FLAGS: dict[str, tuple[str, ...]] = {
@@ -164,7 +164,9 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
     lib.pds_cpu_decode_layers.argtypes = [_P, _I64, _P, _P, ctypes.c_float, _P, _P, _P, _P, _I64, _P,
                                           *[_I64] * 7, ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_qmatmul_packed.restype = _I
-    lib.pds_cpu_qmatmul_packed.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _I]
+    lib.pds_cpu_qmatmul_packed.argtypes = [_I, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I]
+    lib.pds_cpu_round_int16.restype = _I
+    lib.pds_cpu_round_int16.argtypes = [_P, _I64, _I64, _P]
     if lib.pds_cpu_abi_version() != ABI_VERSION:
         return None, Availability(False, f"{path}: ABI {lib.pds_cpu_abi_version()}, need {ABI_VERSION}")
     isa = lib.pds_cpu_isa(0)
@@ -306,27 +308,40 @@ def packed_supported() -> bool:
 
 
 def int16_activations() -> bool:
-    """Whether Q4 layers are packed at load for the int16-activation decode path: only when asked
-    ($PDSERVE_INT16_ACTIVATIONS=1) and `packed_supported()`. Off by default: it is faster at batch
-    1, but its rounding moves near-ties, so greedy tokens can differ from the fp32 path's, and
-    with prefill's row-count-dependent kernels, between a request alone and among others
-    (docs/cpu-kernels.md)."""
-    return os.environ.get("PDSERVE_INT16_ACTIVATIONS", "0") == "1" and packed_supported()
+    """Whether Q4 layers run with activations rounded to int16 per block of 32: where
+    `packed_supported()`, unless $PDSERVE_INT16_ACTIVATIONS=0. Then every row of every Q4 matmul
+    (prefill, decode, mixed steps alike) multiplies the same rounded activations, few rows
+    through the packed GEMV (about twice the fp32 path's speed at batch 1), more through the fp32
+    paths (docs/cpu-kernels.md)."""
+    return os.environ.get("PDSERVE_INT16_ACTIVATIONS", "1") != "0" and packed_supported()
 
 
-def qmatmul_packed(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, n: int, k: int,
-                   threads: int | None = None) -> torch.Tensor:
-    """y[M, n] = x[M, k] @ W^T for W packed by `pdserve_kernels.quant.packed.pack_q4` (AVX-512;
-    activations rounded to int16 per block of 32)."""
+def qmatmul_packed(x: torch.Tensor, raw: torch.Tensor, fmt_code: int, qs: torch.Tensor, dm: torch.Tensor,
+                   n: int, k: int, threads: int | None = None) -> torch.Tensor:
+    """y[M, n] = round16(x)[M, k] @ dequant(raw)^T for a Q4 matrix `raw` also packed by
+    `pdserve_kernels.quant.packed.pack_q4` (AVX-512; activations rounded to int16 per block of
+    32, as `round_int16`): the packed GEMV for few rows, the fp32 path on the rounded rows above."""
     lib = _loaded()
     x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    status = lib.pds_cpu_qmatmul_packed(x.data_ptr(), x.shape[0], k, qs.data_ptr(), dm.data_ptr(), n,
-                                        y.data_ptr(), threads or torch.get_num_threads())
+    status = lib.pds_cpu_qmatmul_packed(fmt_code, x.data_ptr(), x.shape[0], k, raw.data_ptr(), qs.data_ptr(),
+                                        dm.data_ptr(), n, y.data_ptr(), threads or torch.get_num_threads())
     if status:
         raise RuntimeError(f"pds_cpu_qmatmul_packed: {'AVX-512 unavailable' if status == 1 else 'bad arguments'} "
                            f"(M {x.shape[0]}, K {k}, N {n})")
     return y
+
+
+def round_int16(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (K a multiple of 32) rounded per block of 32 to the int16 grid of the packed path,
+    as fp32 (AVX-512)."""
+    lib = _loaded()
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    status = lib.pds_cpu_round_int16(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
+    if status:
+        raise RuntimeError(f"pds_cpu_round_int16: status {status} (shape {tuple(x.shape)})")
+    return out
 
 
 def _packed_ptrs(packed) -> tuple[int | None, int | None]:

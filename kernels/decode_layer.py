@@ -23,7 +23,12 @@ import torch
 from . import cpu_lib
 from .attention import paged_attention, store_kv
 from .norm import rms_norm
-from .quant import BlockFormat, PackedQ4, qmatmul_torch
+from .quant import BlockFormat, PackedQ4, qmatmul_torch, round_activations_int16
+
+
+def _project(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, packed: PackedQ4 | None) -> torch.Tensor:
+    """A projection's reference: a packed weight multiplies int16-rounded activations."""
+    return qmatmul_torch(x if packed is None else round_activations_int16(x), raw, fmt)
 
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -40,24 +45,25 @@ def decode_attention_block(x: torch.Tensor, residual: torch.Tensor | None, norm_
                            slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, heads: int,
                            kv_heads: int, scale: float, qkv_packed: PackedQ4 | None = None,
                            o_packed: PackedQ4 | None = None) -> torch.Tensor:
-    """The reference: x `[B, hidden]`, cos/sin `[B, head_dim/2]`, int64 slots/tables/lens
-    (`*_packed`, the weights repacked for the native int16 path, are ignored here)."""
+    """The reference: x `[B, hidden]`, cos/sin `[B, head_dim/2]`, int64 slots/tables/lens;
+    a projection given `*_packed` (the weight repacked for the native int16 path) multiplies
+    activations rounded to int16 per block, as the native path does."""
     B, d = x.shape[0], k_cache.shape[-1]
     h = rms_norm(x, residual, norm_w, eps)
-    qkv = qmatmul_torch(h, qkv_w, qkv_fmt).view(B, heads + 2 * kv_heads, d)
+    qkv = _project(h, qkv_w, qkv_fmt, qkv_packed).view(B, heads + 2 * kv_heads, d)
     qk = rotate_halves(qkv[:, :heads + kv_heads], cos, sin)
     store_kv(k_cache, v_cache, qk[:, heads:], qkv[:, heads + kv_heads:], slots)
     att = paged_attention(qk[:, :heads], k_cache, v_cache, list(range(B + 1)), lens.tolist(), tables, scale)
-    return qmatmul_torch(att.reshape(B, heads * d), o_w, o_fmt)
+    return _project(att.reshape(B, heads * d), o_w, o_fmt, o_packed)
 
 
 def decode_mlp_block(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
                      gu_w: torch.Tensor, gu_fmt: BlockFormat, down_w: torch.Tensor, down_fmt: BlockFormat,
                      gu_packed: PackedQ4 | None = None, down_packed: PackedQ4 | None = None) -> torch.Tensor:
-    """The reference: gate rows first in `gu_w`, then up rows (`*_packed` ignored)."""
+    """The reference: gate rows first in `gu_w`, then up rows (`*_packed` as above)."""
     h = rms_norm(x, residual, norm_w, eps)
-    gate, up = qmatmul_torch(h, gu_w, gu_fmt).chunk(2, dim=-1)
-    return qmatmul_torch(torch.nn.functional.silu(gate) * up, down_w, down_fmt)
+    gate, up = _project(h, gu_w, gu_fmt, gu_packed).chunk(2, dim=-1)
+    return _project(torch.nn.functional.silu(gate) * up, down_w, down_fmt, down_packed)
 
 
 def _fp32_rows(*tensors: torch.Tensor | None) -> bool:
@@ -81,7 +87,8 @@ def decode_attention_block_cpu(x: torch.Tensor, residual: torch.Tensor | None, n
             and qkv_w.dtype == o_w.dtype == torch.uint8 and qkv_w.is_contiguous() and o_w.is_contiguous()
             and k_cache.shape[-2] == kv_heads and k_cache.shape[-1] % 2 == 0):
         return decode_attention_block(x, residual, norm_w, eps, qkv_w, qkv_fmt, o_w, o_fmt, cos, sin,
-                                      k_cache, v_cache, slots, tables, lens, heads, kv_heads, scale)
+                                      k_cache, v_cache, slots, tables, lens, heads, kv_heads, scale,
+                                      qkv_packed, o_packed)
     out = torch.empty(x.shape[0], o_w.shape[0], dtype=torch.float32)
     return cpu_lib.decode_attention_block(x, residual, norm_w, eps, qkv_fmt.code, qkv_w, o_fmt.code, o_w,
                                           cos, sin, k_cache, v_cache, slots, tables, lens, heads, kv_heads,
@@ -94,7 +101,7 @@ def decode_mlp_block_cpu(x: torch.Tensor, residual: torch.Tensor | None, norm_w:
     """One native call (same arguments and result as the reference); other layouts run it."""
     if not (_fp32_rows(x, residual, norm_w) and gu_w.dtype == down_w.dtype == torch.uint8
             and gu_w.is_contiguous() and down_w.is_contiguous()):
-        return decode_mlp_block(x, residual, norm_w, eps, gu_w, gu_fmt, down_w, down_fmt)
+        return decode_mlp_block(x, residual, norm_w, eps, gu_w, gu_fmt, down_w, down_fmt, gu_packed, down_packed)
     out = torch.empty(x.shape[0], down_w.shape[0], dtype=torch.float32)
     inter = gu_w.shape[0] // 2
     return cpu_lib.decode_mlp_block(x, residual, norm_w, eps, gu_fmt.code, gu_w, down_fmt.code, down_w,
@@ -156,8 +163,9 @@ def decode_layers(x: torch.Tensor, stack: DecodeStack, cos: torch.Tensor, sin: t
     for L in stack.layers:
         y = decode_attention_block(x, residual, L.attn_norm, stack.eps, L.weights[0], L.fmts[0], L.weights[1],
                                    L.fmts[1], cos, sin, L.k_cache, L.v_cache, slots, tables, lens, stack.heads,
-                                   stack.kv_heads, stack.scale)
-        z = decode_mlp_block(y, x, L.mlp_norm, stack.eps, L.weights[2], L.fmts[2], L.weights[3], L.fmts[3])
+                                   stack.kv_heads, stack.scale, *L.packed[:2])
+        z = decode_mlp_block(y, x, L.mlp_norm, stack.eps, L.weights[2], L.fmts[2], L.weights[3], L.fmts[3],
+                             *L.packed[2:])
         x, residual = z, y
     return rms_norm(x, residual, stack.final_norm, stack.eps)
 

@@ -21,6 +21,7 @@
 #include "layer_ops.h"
 #include "norm.h"
 #include "qgemm.h"
+#include "scratch.h"
 #include "work_pool.h"
 
 namespace pds_cpu {
@@ -31,19 +32,15 @@ bool formats_ok(int a, int b) { return a >= Q4_0 && a <= Q8_0 && b >= Q4_0 && b 
 // Per-call scratch reused across calls (one decode step calls each block once per layer).
 thread_local std::vector<float> t_norm, t_mid, t_act;
 
-// One projection: packed for the int16-activation path when `qs` is given, else GGUF blocks.
+// One projection: with int16-rounded activations when the weight is also packed (`qs` given),
+// else on fp32 activations.
 void project(const Kernels* k, int fmt, const uint8_t* w, const uint8_t* qs, const float* dm,
              const float* x, int64_t M, int64_t K, int64_t N, float* y, int threads) {
   if (qs != nullptr) {
-    qmatmul_packed(PackedQ4{qs, dm, K / QK + (K / QK) % 2}, x, M, K, N, y, threads);
+    qmatmul_int16(pick(ISA_AVX512), fmt, w, PackedQ4{qs, dm, K / QK + (K / QK) % 2}, x, M, K, N, y, threads);
   } else {
     qmatmul_f32(k, fmt, x, M, K, w, N, y, threads);
   }
-}
-
-float* grow(std::vector<float>& v, int64_t n) {
-  if (static_cast<int64_t>(v.size()) < n) v.resize(n);
-  return v.data();
 }
 
 void norm_rows(float* x, const float* residual, const float* w, float* out, int64_t rows,
@@ -82,9 +79,9 @@ __attribute__((visibility("default"))) int pds_cpu_decode_attention_block(
   for (int64_t b = 0; b < B; ++b)
     if (lens[b] <= 0 || slots[b] < 0) return 2;
   if (B == 0) return 0;
-  float* h = grow(t_norm, B * hidden);
-  float* qkv = grow(t_mid, B * qkv_n);
-  float* att = grow(t_act, B * o_k);
+  float* h = aligned_scratch(t_norm, B * hidden);
+  float* qkv = aligned_scratch(t_mid, B * qkv_n);
+  float* att = aligned_scratch(t_act, B * o_k);
   norm_rows(x, residual, norm_w, h, B, hidden, eps);
   project(k, qkv_fmt, qkv_w, qkv_qs, qkv_dm, h, B, hidden, qkv_n, qkv, threads);
   const int64_t half = head_dim / 2, row = kv_heads * head_dim;
@@ -117,9 +114,9 @@ __attribute__((visibility("default"))) int pds_cpu_decode_mlp_block(
   if (!formats_ok(gu_fmt, down_fmt) || B < 0 || hidden <= 0 || hidden % QK || inter <= 0 || inter % QK)
     return 2;
   if (B == 0) return 0;
-  float* h = grow(t_norm, B * hidden);
-  float* gu = grow(t_mid, B * 2 * inter);
-  float* act = grow(t_act, B * inter);
+  float* h = aligned_scratch(t_norm, B * hidden);
+  float* gu = aligned_scratch(t_mid, B * 2 * inter);
+  float* act = aligned_scratch(t_act, B * inter);
   norm_rows(x, residual, norm_w, h, B, hidden, eps);
   project(k, gu_fmt, gu_w, gu_qs, gu_dm, h, B, hidden, 2 * inter, gu, threads);
   for (int64_t b = 0; b < B; ++b) silu_mul_avx2(gu + b * 2 * inter, gu + b * 2 * inter + inter, act + b * inter, inter);

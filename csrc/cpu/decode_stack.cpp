@@ -14,6 +14,7 @@
 #include "dispatch.h"
 #include "norm.h"
 #include "qgemm.h"
+#include "scratch.h"
 
 extern "C" int pds_cpu_decode_attention_block(
     float* x, const float* residual, const float* norm_w, float eps, int qkv_fmt, const uint8_t* qkv_w,
@@ -66,10 +67,9 @@ __attribute__((visibility("default"))) int pds_cpu_decode_layers(
   if (n_layers <= 0 || B < 0 || hidden <= 0) return 2;
   if (pick(isa) == nullptr) return 1;
   if (B == 0) return 0;
-  if (static_cast<int64_t>(t_rows.size()) < 2 * B * hidden) t_rows.resize(2 * B * hidden);
   float* cur = x;                      // the layer's input
   float* res = nullptr;                // its residual (none before the first layer)
-  float* free_rows = t_rows.data();
+  float* free_rows = aligned_scratch(t_rows, 2 * B * hidden);
   float* spare = free_rows + B * hidden;
   for (int64_t l = 0; l < n_layers; ++l) {
     const DecodeLayer& L = layers[l];

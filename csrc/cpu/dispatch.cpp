@@ -12,6 +12,7 @@
 #include "dispatch.h"
 #include "norm.h"
 #include "qgemm.h"
+#include "scratch.h"
 #include "work_pool.h"
 
 namespace pds_cpu {
@@ -70,7 +71,12 @@ void qmatmul_f32(const Kernels* k, int fmt, const float* x, int64_t M, int64_t K
 
 namespace {
 
-// Activations of an int16-path call, prepared once for all N rows (thread_local: reused).
+// Below this many rows the packed GEMV is faster (2x at one row, level at four); from here on
+// the fp32 path's tiles share each dequantized block between rows, so the rows are rounded to
+// the same int16 grid and multiplied there.
+constexpr int64_t kPackedMaxRows = 4;
+
+// Activations of a packed GEMV, prepared once for all N rows (thread_local: reused).
 struct Int16Act {
   const int16_t* a;
   const float* da;
@@ -80,22 +86,28 @@ struct Int16Act {
 Int16Act prepare_int16(const float* x, int64_t M, int64_t K, int64_t nbp) {
   thread_local std::vector<int16_t> a;
   thread_local std::vector<float> scales;
-  if (static_cast<int64_t>(a.size()) < M * nbp * 32) a.resize(M * nbp * 32);
-  if (static_cast<int64_t>(scales.size()) < 2 * M * nbp) scales.resize(2 * M * nbp);
-  float* da = scales.data();
+  int16_t* rows = aligned_scratch(a, M * nbp * 32);
+  float* da = aligned_scratch(scales, 2 * M * nbp);
   float* xs = da + M * nbp;
-  packed_prepare_avx512(x, M, K, nbp, a.data(), da, xs);
-  return Int16Act{a.data(), da, xs};
+  packed_prepare_avx512(x, M, K, nbp, rows, da, xs);
+  return Int16Act{rows, da, xs};
 }
 
 }  // namespace
 
-void qmatmul_packed(const PackedQ4& w, const float* x, int64_t M, int64_t K, int64_t N, float* y,
-                    int threads) {
-  const Int16Act act = prepare_int16(x, M, K, w.nbp);
+void qmatmul_int16(const Kernels* k, int fmt, const uint8_t* w, const PackedQ4& packed, const float* x,
+                   int64_t M, int64_t K, int64_t N, float* y, int threads) {
+  if (M >= kPackedMaxRows) {
+    thread_local std::vector<float> scratch;
+    float* rounded = aligned_scratch(scratch, M * K);
+    round_int16_avx512(x, M, K, rounded);
+    qmatmul_f32(k, fmt, rounded, M, K, w, N, y, threads);
+    return;
+  }
+  const Int16Act act = prepare_int16(x, M, K, packed.nbp);
   const int64_t unit = rows_per_unit(N, threads);
   parallel_for_chunks((N + unit - 1) / unit, threads, [&](int64_t c) {
-    packed_gemv_avx512(w, act.a, act.da, act.xs, M, y, N, c * unit, std::min(N, (c + 1) * unit));
+    packed_gemv_avx512(packed, act.a, act.da, act.xs, M, y, N, c * unit, std::min(N, (c + 1) * unit));
   });
 }
 
@@ -105,7 +117,7 @@ using namespace pds_cpu;
 
 extern "C" {
 
-__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 9; }
+__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 10; }
 
 // The instruction set `isa` (0 auto) resolves to on this CPU: 1 AVX2, 2 AVX-512 VNNI, 0 none.
 __attribute__((visibility("default"))) int pds_cpu_isa(int isa) {
@@ -150,17 +162,30 @@ __attribute__((visibility("default"))) int pds_cpu_qmatmul(int fmt, const float*
   return 0;
 }
 
-// y[M][N] = x[M][K] . W^T for W a Q4_0/Q4_1 matrix packed for the int16-activation path
-// (qgemv_packed.h: qs [N][nbp * 16], dm [N][2 * nbp]). AVX-512 only. Returns 0, 1 when AVX-512
-// is unavailable, 2 for bad arguments.
-__attribute__((visibility("default"))) int pds_cpu_qmatmul_packed(const float* x, int64_t M, int64_t K,
-                                                                  const uint8_t* qs, const float* dm,
-                                                                  int64_t N, float* y, int threads) {
-  if (pick(ISA_AVX512) == nullptr) return 1;
-  if (M < 0 || N < 0 || K <= 0 || K % QK) return 2;
+// y[M][N] = x'[M][K] . dequant(w)^T for x' the rows rounded to int16 per block of 32 and w a
+// Q4_0/Q4_1 matrix (fmt) also packed for the int16 path (qgemv_packed.h: qs [N][nbp * 16], dm
+// [N][2 * nbp]). AVX-512 only. Returns 0, 1 when AVX-512 is unavailable, 2 for bad arguments.
+__attribute__((visibility("default"))) int pds_cpu_qmatmul_packed(int fmt, const float* x, int64_t M, int64_t K,
+                                                                  const uint8_t* w, const uint8_t* qs,
+                                                                  const float* dm, int64_t N, float* y,
+                                                                  int threads) {
+  const Kernels* k = pick(ISA_AVX512);
+  if (k == nullptr) return 1;
+  if ((fmt != Q4_0 && fmt != Q4_1) || qs == nullptr || dm == nullptr || M < 0 || N < 0 || K <= 0 || K % QK)
+    return 2;
   if (M == 0 || N == 0) return 0;
   const int64_t nb = K / QK;
-  qmatmul_packed(PackedQ4{qs, dm, nb + nb % 2}, x, M, K, N, y, threads);
+  qmatmul_int16(k, fmt, w, PackedQ4{qs, dm, nb + nb % 2}, x, M, K, N, y, threads);
+  return 0;
+}
+
+// out[M][K] = x rounded to int16 per block of 32 as the packed path rounds it (qgemv_packed.h),
+// as fp32. AVX-512 only. Returns 0, 1 when AVX-512 is unavailable, 2 for bad arguments.
+__attribute__((visibility("default"))) int pds_cpu_round_int16(const float* x, int64_t M, int64_t K,
+                                                               float* out) {
+  if (pick(ISA_AVX512) == nullptr) return 1;
+  if (M < 0 || K <= 0 || K % QK) return 2;
+  round_int16_avx512(x, M, K, out);
   return 0;
 }
 

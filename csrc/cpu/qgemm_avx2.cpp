@@ -205,8 +205,8 @@ void dot_fmt(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, i
   for (; m + 4 <= M; m += 4) dot_cols<FMT, 4, 2>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1);
   switch (M - m) {
     case 3: dot_cols<FMT, 3, 2>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
-    case 2: dot_cols<FMT, 2, 4>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
-    case 1: dot_cols<FMT, 1, 4>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
+    case 2: dot_cols<FMT, 2, 1>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;  // one weight row
+    case 1: dot_cols<FMT, 1, 1>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;  // (qgemm_avx512.cpp)
     default: break;
   }
 }

@@ -203,18 +203,20 @@ void dot_fmt(const float* x, int64_t M, int64_t K, const uint8_t* w, float* y, i
              int64_t n1) {
   const int64_t row_bytes = K / QK * block_bytes(FMT);
   const float* f16 = f16_table();
-  // 8 rows x 2 weight rows: 16 accumulators + 4 weight registers of the 32; fewer rows take 4
-  // weight rows for independent chains
+  // 8 rows x 2 weight rows: 16 accumulators + 4 weight registers of the 32. Up to 4 rows read one
+  // weight row at a time: several weight rows in flight (4 interleaved streams 20-34 bytes a
+  // step) measured 1.5-2.6x slower on a Zen 4 when the matrix streams from memory (the LM head,
+  // a whole decode step), whatever they gained on hot caches.
   int64_t m = 0;
   for (; m + 8 <= M; m += 8) dot_cols<FMT, 8, 2>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1);
   switch (M - m) {
     case 7: dot_cols<FMT, 7, 2>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
     case 6: dot_cols<FMT, 6, 2>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
     case 5: dot_cols<FMT, 5, 2>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
-    case 4: dot_cols<FMT, 4, 4>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
-    case 3: dot_cols<FMT, 3, 4>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
-    case 2: dot_cols<FMT, 2, 4>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
-    case 1: dot_cols<FMT, 1, 4>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
+    case 4: dot_cols<FMT, 4, 1>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
+    case 3: dot_cols<FMT, 3, 1>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
+    case 2: dot_cols<FMT, 2, 1>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
+    case 1: dot_cols<FMT, 1, 1>(f16, x, K, w, row_bytes, y, ldy, m, n0, n1); break;
     default: break;
   }
 }

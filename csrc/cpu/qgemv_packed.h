@@ -24,9 +24,16 @@ struct PackedQ4 {
 };
 
 // Activation rows prepared for the packed GEMV: a [M][nbp * 32] int16 (a block's values scaled
-// by 1 / da, rounded to nearest even), da [M][nbp], xs [M][nbp] = the fp32 sum of each block.
+// by 1 / da, rounded to nearest even), da [M][nbp], xs [M][nbp] = da * (the block's integer sum),
+// the sum of the rounded activations, so the GEMV computes dequant(W) . x' for x' the rounded rows.
 void packed_prepare_avx512(const float* x, int64_t M, int64_t K, int64_t nbp, int16_t* a, float* da,
                            float* xs);
+
+// The same rounding as fp32 values: out[m][k] = da * round(x[m][k] / da) per block of 32 (da =
+// amax / 32767, the quotient taken as x * (1 / da)). Multiplying these by the dequantized weights
+// in fp32 is the packed GEMV's product up to summation order: how rows that do not take the
+// packed GEMV (more rows, prefill) get the same activations.
+void round_int16_avx512(const float* x, int64_t M, int64_t K, float* out);
 
 // y[m][n] for all M rows, n in [n0, n1) (row stride ldy).
 void packed_gemv_avx512(const PackedQ4& w, const int16_t* a, const float* da, const float* xs, int64_t M,

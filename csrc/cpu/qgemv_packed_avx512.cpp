@@ -8,10 +8,22 @@
 
 namespace pds_cpu {
 
+namespace {
+
+// One block's scale (amax / 32767) and the reciprocal the values are multiplied by.
+inline float block_scale(__m512 v0, __m512 v1, __m512* inv) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
+  const float d = amax / 32767.0f;
+  *inv = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  return d;
+}
+
+}  // namespace
+
 void packed_prepare_avx512(const float* x, int64_t M, int64_t K, int64_t nbp, int16_t* a, float* da,
                            float* xs) {
   const int64_t nb = K / 32;
-  const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < nbp; ++b) {
       int16_t* out = a + (r * nbp + b) * 32;
@@ -22,17 +34,27 @@ void packed_prepare_avx512(const float* x, int64_t M, int64_t K, int64_t nbp, in
       }
       const float* xb = x + r * K + b * 32;
       const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, v0), _mm512_andnot_ps(sign, v1)));
-      const float d = amax / 32767.0f;
-      const __m512 inv = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+      __m512 inv;
+      const float d = block_scale(v0, v1, &inv);
       // cvtps rounds to nearest even (the default MXCSR mode); |x / d| <= 32767 fits int16
       const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
       const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(i0));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), _mm512_cvtepi32_epi16(i1));
       da[r * nbp + b] = d;
-      xs[r * nbp + b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
+      xs[r * nbp + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
     }
+  }
+}
+
+void round_int16_avx512(const float* x, int64_t M, int64_t K, float* out) {
+  for (int64_t i = 0; i < M * (K / 32); ++i) {
+    const float* xb = x + i * 32;
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    __m512 inv;
+    const __m512 d = _mm512_set1_ps(block_scale(v0, v1, &inv));
+    _mm512_storeu_ps(out + i * 32, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))), d));
+    _mm512_storeu_ps(out + i * 32 + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))), d));
   }
 }
 

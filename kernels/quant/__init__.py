@@ -14,12 +14,12 @@ from .. import cpu_lib
 from .formats import BLOCK, FORMATS, Q4_0, Q4_1, Q8_0, BlockFormat, block_format
 from .packed import PackedQ4, pack_q4, packable
 from .reference import (dequantize, qmatmul_emulated, qmatmul_torch, quantize,
-                        quantize_activations)
+                        quantize_activations, round_activations_int16)
 
 __all__ = ["BLOCK", "FORMATS", "Q4_0", "Q4_1", "Q8_0", "BlockFormat", "PackedQ4",
            "block_format", "dequantize", "native_available", "pack_q4", "packable", "qmatmul",
            "qmatmul_emulated", "qmatmul_native", "qmatmul_packed_cpu", "qmatmul_packed_reference",
-           "qmatmul_torch", "quantize", "quantize_activations"]
+           "qmatmul_torch", "quantize", "quantize_activations", "round_activations_int16"]
 
 
 def native_available() -> bool:
@@ -54,17 +54,22 @@ def qmatmul_native(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, isa: st
 
 def qmatmul_packed_reference(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, packed: PackedQ4
                              ) -> torch.Tensor:
-    """`qmatmul_packed`'s reference: the packing changes nothing but speed, so it is the
-    reference of the blocks (`packed` unused)."""
-    return qmatmul(x, raw, fmt, force="torch")
+    """`qmatmul_packed`'s reference: activations rounded to int16 per block of 32, then the
+    blocks' reference (`packed`, which changes nothing but speed, unused)."""
+    return qmatmul(round_activations_int16(x), raw, fmt, force="torch")
 
 
 def qmatmul_packed_cpu(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, packed: PackedQ4
                        ) -> torch.Tensor:
-    """y = x W^T through the packed copy of W (the int16-activation path, AVX-512), any leading
-    dims, in x's dtype."""
+    """y = round16(x) W^T, any leading dims, in x's dtype (AVX-512): the packed GEMV for few
+    rows, the fp32 dot or panel path on the rounded rows for more, and from GEMM_MIN_ROWS on
+    (prefill) the rounded rows through `qmatmul_native`'s GEMM."""
     lead, k = x.shape[:-1], x.shape[-1]
-    y = cpu_lib.qmatmul_packed(x.reshape(-1, k).to(torch.float32), packed.qs, packed.dm, raw.shape[0], k)
+    x2 = x.reshape(-1, k).to(torch.float32)
+    if x2.shape[0] >= GEMM_MIN_ROWS:
+        y = qmatmul_native(cpu_lib.round_int16(x2), raw, fmt)
+    else:
+        y = cpu_lib.qmatmul_packed(x2, raw, fmt.code, packed.qs, packed.dm, raw.shape[0], k)
     return y.reshape(*lead, raw.shape[0]).to(x.dtype)
 
 

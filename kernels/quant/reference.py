@@ -85,6 +85,16 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(x.shape).to(torch.int8), d.squeeze(-1)
 
 
+def round_activations_int16(x: torch.Tensor) -> torch.Tensor:
+    """What the int16-activation path multiplies: x rounded per block of 32 to d·q with
+    d = amax/32767 and q = round_half_even(x * (1/d)), as fp32 (the native rounding, bit for bit)."""
+    if x.shape[-1] % BLOCK:
+        raise ValueError(f"{x.shape[-1]} activation features are not a multiple of {BLOCK}")
+    xb = x.to(torch.float32).reshape(*x.shape[:-1], -1, BLOCK)
+    d = xb.abs().amax(-1, keepdim=True) / 32767.0
+    return (torch.round(xb * _inverse(d)) * d).reshape(x.shape)
+
+
 def qmatmul_torch(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """The reference: x [M, K] @ dequantize(raw)^T in fp32 (any device)."""
     return x.to(torch.float32) @ dequantize(raw, fmt).T

@@ -77,8 +77,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
         model.load_weights(WeightSource(weights_dir))
     finish_loading(model, dtype)
     model.eval()
-    logger.info("loaded %s from %s (%s, %s, tp %d/%d%s)", cls.__name__, model_dir, dtype, device,
-                tp.rank, tp.size, f", {quant.quant_algo} from {quant.source}" if quant else "")
+    packed = sum(getattr(m, "packed", None) is not None for m in model.modules())
+    logger.info("loaded %s from %s (%s, %s, tp %d/%d%s%s)", cls.__name__, model_dir, dtype, device,
+                tp.rank, tp.size, f", {quant.quant_algo} from {quant.source}" if quant else "",
+                f", int16 activations in {packed} Q4 layers" if packed else "")
     return model
 
 

@@ -13,6 +13,7 @@ import transformers
 
 from tests.frontend.conftest import start_server, stop_server
 from tests.frontend.router_cases import API_KEY
+from tests.served_reference import served_reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -22,9 +23,11 @@ TEXT = "The capital of France is Paris, and the capital of Italy is Rome. The ca
 
 @pytest.fixture(scope="module")
 def reference(default_model_dir, tokenizer) -> tuple[list[int], torch.Tensor]:
-    """The prompt's ids and transformers' log-softmax at each position (p predicts p + 1)."""
+    """The prompt's ids and transformers' log-softmax at each position (p predicts p + 1), with
+    the served model's activation rounding."""
     ids = tokenizer.encode(TEXT)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    hf = served_reference(transformers.AutoModelForCausalLM.from_pretrained(default_model_dir,
+                                                                            dtype=torch.float32).eval())
     with torch.no_grad():
         logits = hf(torch.tensor([ids])).logits[0]
     return ids, torch.log_softmax(logits.float(), dim=-1)

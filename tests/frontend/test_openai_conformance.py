@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from tests.frontend.router_cases import API_KEY
+from tests.served_reference import chat_near_tie
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -113,7 +114,9 @@ def test_seeded_sampling_reproduces(client):
     assert runs[0] == runs[1]
 
 
-def test_sixteen_concurrent_async_streams_match_their_answers(pd_server, client):
+def test_sixteen_concurrent_async_streams_match_their_answers(pd_server, client, default_model_dir, tokenizer):
+    """Each answer is the prompt's answer alone, or parts from it only at a near-tie of the served
+    model ("Say hello." has one: tests/served_reference.py)."""
     prompts = ["Say hello.", "Name a color.", "Count to three.", "Name a fruit."]
     expected = {p: client.chat.completions.create(model=MODEL, messages=messages(p), max_tokens=8,
                                                   temperature=0).choices[0].message.content for p in prompts}
@@ -128,7 +131,8 @@ def test_sixteen_concurrent_async_streams_match_their_answers(pd_server, client)
             return await asyncio.gather(*(one(a, prompts[i % 4]) for i in range(16)))
 
     for prompt, text in asyncio.run(run_all()):
-        assert text == expected[prompt]
+        assert text == expected[prompt] or chat_near_tie(default_model_dir, tokenizer, messages(prompt), text,
+                                                         expected[prompt]), (prompt, text, expected[prompt])
 
 
 # ---- refusals are HTTP statuses, streaming or not ------------------------------------------------

@@ -15,6 +15,7 @@ from pdserve.frontend.app import create_app
 
 from tests.frontend.conftest import SERVE_MAX_BODY, router_config
 from tests.frontend.router_cases import API_KEY, CHAT, bad_input_cases, check_error
+from tests.served_reference import chat_near_tie
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -129,7 +130,9 @@ def test_seed_reproducibility(client):
     assert runs[0] == runs[1]
 
 
-def test_64_concurrent_streams_all_complete_correctly(pd_server):
+def test_64_concurrent_streams_all_complete_correctly(pd_server, default_model_dir, tokenizer):
+    """Each answer among 64 streams is the same prompt's answer alone, or parts from it only at a
+    near-tie of the served model (tests/served_reference.py)."""
     sync = openai.OpenAI(base_url=pd_server.v1, api_key=API_KEY, max_retries=0, timeout=120)
     expected = {p: ask(sync, p, max_tokens=8).choices[0].message.content for p in PROMPTS}
 
@@ -152,7 +155,10 @@ def test_64_concurrent_streams_all_complete_correctly(pd_server):
     results = asyncio.run(run_all())
     assert len(results) == 64
     for prompt, text, finish in results:
-        assert text == expected[prompt] and finish in ("stop", "length")
+        assert finish in ("stop", "length")
+        user = [{"role": "user", "content": prompt}]
+        assert text == expected[prompt] or chat_near_tie(default_model_dir, tokenizer, user, text,
+                                                         expected[prompt]), (prompt, text, expected[prompt])
     wait_idle(pd_server)
 
 

@@ -1,5 +1,5 @@
 """The fused decode path of a Llama with GGUF-block weights: a decode step runs two native calls
-per layer (and, on AVX-512 with $PDSERVE_INT16_ACTIVATIONS=1, the packed int16 projections), and
+per layer (and, on AVX-512 unless $PDSERVE_INT16_ACTIVATIONS=0, the packed int16 projections), and
 generates the same greedy tokens as the op-by-op path it replaces, alone and in a batch.
 
 The op-by-op path is what runs when the three ops are bound to their references (as

@@ -42,18 +42,22 @@ class BlockQuantLinearMethod(LinearMethod):
         place(layer.weight, read_blocks(source, name, shard, self.fmt, self.on_load), shard, name)
 
     def finish(self, layer: nn.Module, dtype: torch.dtype) -> None:
-        """Q4_0/Q4_1 on a CPU running the native kernels with AVX-512, when asked
-        ($PDSERVE_INT16_ACTIVATIONS=1, `cpu_lib.int16_activations`): also keep the weight
-        packed for the int16-activation path (pdserve_kernels.quant.packed; ≈6 bits a weight
-        more in memory), which the fused decode blocks multiply every decode row by (about twice
-        the fp32 path's speed at batch 1). Prefill and mixed batches (`apply`) keep the fp32
-        path: a decode row's numerics never depend on how many rows share its step."""
+        """Q4_0/Q4_1 on a CPU running the native kernels with AVX-512 (unless
+        $PDSERVE_INT16_ACTIVATIONS=0, `cpu_lib.int16_activations`): also keep the weight packed
+        for the int16-activation path (pdserve_kernels.quant.packed; ≈6 bits a weight more in
+        memory). Then every row this layer multiplies, in any step, has its activations rounded
+        to int16 per block of 32 (`qmatmul_packed`): batch-1 decode takes the packed GEMV (about
+        twice the fp32 path's speed), and a row's numerics never depend on which kernel its
+        step's size picked beyond fp32 summation order."""
         if packable(self.fmt) and layer.weight.device.type == "cpu" and ops.is_native(ops.qmatmul_packed) \
                 and cpu_lib.int16_activations():
             layer.packed = pack_q4(layer.weight.data, self.fmt)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        y = ops.qmatmul(x, layer.weight, self.fmt)
+        if layer.packed is not None:
+            y = ops.qmatmul_packed(x, layer.weight, self.fmt, layer.packed)
+        else:
+            y = ops.qmatmul(x, layer.weight, self.fmt)
         return y + bias if bias is not None else y
 
 
