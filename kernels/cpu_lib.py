@@ -34,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LIB_NAME = "libpdserve_cpu.so"
-ABI_VERSION = 10
+ABI_VERSION = 11
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-DNDEBUG")
 UNIT_FLAGS: dict[str, tuple[str, ...]] = {
@@ -43,6 +43,7 @@ UNIT_FLAGS: dict[str, tuple[str, ...]] = {
     "qgemm_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                          "-mavx512dq", "-mavx512vnni"),
     "attention_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
+    "attention_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512dq"),
     "extend_attention.cpp": (),
     "extend_attention_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
     "extend_attention_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
@@ -50,7 +51,7 @@ UNIT_FLAGS: dict[str, tuple[str, ...]] = {
     "norm_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
     "layer_ops_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
     "qgemv_packed_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                                "-mavx512dq"),
+                                "-mavx512dq", "-mavx512vnni"),
     "decode_block.cpp": (),
     "f16_table.cpp": ("-mf16c",),
     "decode_stack.cpp": (),
@@ -147,7 +148,7 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
     lib.pds_cpu_dequantize.argtypes = [_I, _P, _I64, _I64, _P, _I, _I]
     lib.pds_cpu_paged_decode_attention.restype = _I
     lib.pds_cpu_paged_decode_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, *[_I64] * 5,
-                                                   ctypes.c_float, _P, _I]
+                                                   ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_paged_extend_attention.restype = _I
     lib.pds_cpu_paged_extend_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, *[_I64] * 5,
                                                    ctypes.c_float, _P, _I, _I]
@@ -164,7 +165,7 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
     lib.pds_cpu_decode_layers.argtypes = [_P, _I64, _P, _P, ctypes.c_float, _P, _P, _P, _P, _I64, _P,
                                           *[_I64] * 7, ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_qmatmul_packed.restype = _I
-    lib.pds_cpu_qmatmul_packed.argtypes = [_I, _P, _I64, _I64, _P, _P, _P, _I64, _P, _I]
+    lib.pds_cpu_qmatmul_packed.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _I]
     lib.pds_cpu_round_int16.restype = _I
     lib.pds_cpu_round_int16.argtypes = [_P, _I64, _I64, _P]
     if lib.pds_cpu_abi_version() != ABI_VERSION:
@@ -199,7 +200,7 @@ def qmatmul(fmt: int, x: torch.Tensor, blocks: torch.Tensor, n: int, k: int,
     """y[M, n] = x[M, k] @ W^T with W the `n` rows of GGUF blocks `blocks` (format code `fmt`).
 
     `path`: f32 (fp32 activations; weights dequantized in registers, or in panels of 16 rows
-    for many rows on AVX-512) or int8 (activations quantized per block of 32, integer dot
+    from 64 rows on AVX-512) or int8 (activations quantized per block of 32, integer dot
     products); auto is f32.
     """
     lib = _loaded()
@@ -228,7 +229,7 @@ def dequantize(fmt: int, blocks: torch.Tensor, n: int, k: int, isa: str | None =
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, lens: torch.Tensor, scale: float,
-                           threads: int | None = None) -> torch.Tensor:
+                           isa: str | None = None, threads: int | None = None) -> torch.Tensor:
     """out[B, heads, head_dim]: each sequence's one query over its first `lens[b]` cached tokens,
     K/V read in place through `block_tables` (fp32 q and caches `[blocks, block_size, kv_heads,
     head_dim]`; int64 tables and lens; q's heads and head_dim contiguous, any token stride)."""
@@ -244,9 +245,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     status = lib.pds_cpu_paged_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), lens.data_ptr(), B, heads, kv_heads, d, block_size, scale,
-        out.data_ptr(), threads or torch.get_num_threads())
+        out.data_ptr(), ISAS[isa or default_isa()], threads or torch.get_num_threads())
     if status:
-        why = "AVX2 unavailable" if status == 1 else "bad arguments"
+        why = "instruction set unavailable" if status == 1 else "bad arguments"
         raise RuntimeError(f"pds_cpu_paged_decode_attention: {why} (B {B}, heads {heads}, "
                            f"kv_heads {kv_heads}, head_dim {d}, block_size {block_size})")
     return out
@@ -310,22 +311,21 @@ def packed_supported() -> bool:
 def int16_activations() -> bool:
     """Whether Q4 layers run with activations rounded to int16 per block of 32: where
     `packed_supported()`, unless $PDSERVE_INT16_ACTIVATIONS=0. Then every row of every Q4 matmul
-    (prefill, decode, mixed steps alike) multiplies the same rounded activations, few rows
-    through the packed GEMV (about twice the fp32 path's speed at batch 1), more through the fp32
-    paths (docs/cpu-kernels.md)."""
+    (prefill, decode, mixed steps alike) multiplies the same rounded activations through the
+    packed int16 kernel (docs/cpu-kernels.md)."""
     return os.environ.get("PDSERVE_INT16_ACTIVATIONS", "1") != "0" and packed_supported()
 
 
-def qmatmul_packed(x: torch.Tensor, raw: torch.Tensor, fmt_code: int, qs: torch.Tensor, dm: torch.Tensor,
-                   n: int, k: int, threads: int | None = None) -> torch.Tensor:
-    """y[M, n] = round16(x)[M, k] @ dequant(raw)^T for a Q4 matrix `raw` also packed by
-    `pdserve_kernels.quant.packed.pack_q4` (AVX-512; activations rounded to int16 per block of
-    32, as `round_int16`): the packed GEMV for few rows, the fp32 path on the rounded rows above."""
+def qmatmul_packed(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, n: int, k: int,
+                   threads: int | None = None) -> torch.Tensor:
+    """y[M, n] = round16(x)[M, k] @ dequant(W)^T for a Q4 matrix W packed by
+    `pdserve_kernels.quant.packed.pack_q4` (AVX-512 VNNI; activations rounded to int16 per block
+    of 32, as `round_int16`), any number of rows."""
     lib = _loaded()
     x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    status = lib.pds_cpu_qmatmul_packed(fmt_code, x.data_ptr(), x.shape[0], k, raw.data_ptr(), qs.data_ptr(),
-                                        dm.data_ptr(), n, y.data_ptr(), threads or torch.get_num_threads())
+    status = lib.pds_cpu_qmatmul_packed(x.data_ptr(), x.shape[0], k, qs.data_ptr(), dm.data_ptr(), n,
+                                        y.data_ptr(), threads or torch.get_num_threads())
     if status:
         raise RuntimeError(f"pds_cpu_qmatmul_packed: {'AVX-512 unavailable' if status == 1 else 'bad arguments'} "
                            f"(M {x.shape[0]}, K {k}, N {n})")

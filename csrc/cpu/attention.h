@@ -32,6 +32,15 @@ inline int64_t decode_attention_scratch(const DecodeAttention& a) {
 
 // Sequence `b`, KV head `kvh`: its group of query heads attended over the sequence's context.
 void decode_attention_avx2(const DecodeAttention& a, int64_t b, int64_t kvh, float* scratch);
+// The same on AVX-512 (attention_avx512.cpp); false (nothing done) for shapes it does not cover.
+bool decode_attention_avx512(const DecodeAttention& a, int64_t b, int64_t kvh, float* scratch);
+
+// One unit with the AVX-512 kernel where `avx512` (the caller's instruction set) and the shape
+// allow, else the AVX2 one. Every caller goes through here, so a decode row gets the same
+// arithmetic in a decode batch, in a mixed batch and op by op.
+inline void decode_attention_unit(const DecodeAttention& a, int64_t b, int64_t kvh, float* scratch, bool avx512) {
+  if (!avx512 || !decode_attention_avx512(a, b, kvh, scratch)) decode_attention_avx2(a, b, kvh, scratch);
+}
 
 // Extend (chunked prefill over a cached prefix): several new tokens per sequence, causal. The
 // new tokens of sequence b are q rows [starts[b], starts[b+1]) and sit at the last n_b positions

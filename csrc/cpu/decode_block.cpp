@@ -37,7 +37,7 @@ thread_local std::vector<float> t_norm, t_mid, t_act;
 void project(const Kernels* k, int fmt, const uint8_t* w, const uint8_t* qs, const float* dm,
              const float* x, int64_t M, int64_t K, int64_t N, float* y, int threads) {
   if (qs != nullptr) {
-    qmatmul_int16(pick(ISA_AVX512), fmt, w, PackedQ4{qs, dm, K / QK + (K / QK) % 2}, x, M, K, N, y, threads);
+    qmatmul_int16(PackedQ4{qs, dm, K / QK}, x, M, K, N, y, threads);
   } else {
     qmatmul_f32(k, fmt, x, M, K, w, N, y, threads);
   }
@@ -96,7 +96,7 @@ __attribute__((visibility("default"))) int pds_cpu_decode_attention_block(
   parallel_for_chunks(B * kv_heads, threads, [&](int64_t u) {
     thread_local std::vector<float> scratch;
     if (static_cast<int64_t>(scratch.size()) < decode_attention_scratch(a)) scratch.resize(decode_attention_scratch(a));
-    decode_attention_avx2(a, u / kv_heads, u % kv_heads, scratch.data());
+    decode_attention_unit(a, u / kv_heads, u % kv_heads, scratch.data(), k == &kAvx512);
   });
   project(k, o_fmt, o_w, o_qs, o_dm, att, B, o_k, hidden, out, threads);
   return 0;

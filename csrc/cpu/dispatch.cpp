@@ -71,43 +71,28 @@ void qmatmul_f32(const Kernels* k, int fmt, const float* x, int64_t M, int64_t K
 
 namespace {
 
-// Below this many rows the packed GEMV is faster (2x at one row, level at four); from here on
-// the fp32 path's tiles share each dequantized block between rows, so the rows are rounded to
-// the same int16 grid and multiplied there.
-constexpr int64_t kPackedMaxRows = 4;
-
-// Activations of a packed GEMV, prepared once for all N rows (thread_local: reused).
-struct Int16Act {
-  const int16_t* a;
-  const float* da;
-  const float* xs;
-};
-
-Int16Act prepare_int16(const float* x, int64_t M, int64_t K, int64_t nbp) {
-  thread_local std::vector<int16_t> a;
-  thread_local std::vector<float> scales;
-  int16_t* rows = aligned_scratch(a, M * nbp * 32);
-  float* da = aligned_scratch(scales, 2 * M * nbp);
-  float* xs = da + M * nbp;
-  packed_prepare_avx512(x, M, K, nbp, rows, da, xs);
-  return Int16Act{rows, da, xs};
-}
+// Activation rows per unit of work of the packed product: a block of rows stays in cache while a
+// unit sweeps its panels (64 rows of 1536 int16 values: 192 KB).
+constexpr int64_t kPackedRowsPerUnit = 64;
 
 }  // namespace
 
-void qmatmul_int16(const Kernels* k, int fmt, const uint8_t* w, const PackedQ4& packed, const float* x,
-                   int64_t M, int64_t K, int64_t N, float* y, int threads) {
-  if (M >= kPackedMaxRows) {
-    thread_local std::vector<float> scratch;
-    float* rounded = aligned_scratch(scratch, M * K);
-    round_int16_avx512(x, M, K, rounded);
-    qmatmul_f32(k, fmt, rounded, M, K, w, N, y, threads);
-    return;
-  }
-  const Int16Act act = prepare_int16(x, M, K, packed.nbp);
-  const int64_t unit = rows_per_unit(N, threads);
-  parallel_for_chunks((N + unit - 1) / unit, threads, [&](int64_t c) {
-    packed_gemv_avx512(packed, act.a, act.da, act.xs, M, y, N, c * unit, std::min(N, (c + 1) * unit));
+void qmatmul_int16(const PackedQ4& w, const float* x, int64_t M, int64_t K, int64_t N, float* y, int threads) {
+  thread_local std::vector<int16_t> act;
+  thread_local std::vector<float> scales;
+  const int64_t nb = K / QK;
+  int16_t* a = aligned_scratch(act, M * K);
+  float* da = aligned_scratch(scales, 2 * M * nb);
+  float* xs = da + M * nb;
+  packed_prepare_avx512(x, M, K, nb, a, da, xs);
+  const int64_t panels = (N + kPanelRows - 1) / kPanelRows;
+  const int64_t per_unit = rows_per_unit(N, threads) / kPanelRows;
+  const int64_t col_units = (panels + per_unit - 1) / per_unit;
+  const int64_t row_units = (M + kPackedRowsPerUnit - 1) / kPackedRowsPerUnit;
+  parallel_for_chunks(row_units * col_units, threads, [&](int64_t u) {
+    const int64_t m0 = u / col_units * kPackedRowsPerUnit, p0 = u % col_units * per_unit;
+    packed_gemm_avx512(w, a, da, xs, m0, std::min(M, m0 + kPackedRowsPerUnit), N, y, N, p0,
+                       std::min(panels, p0 + per_unit));
   });
 }
 
@@ -117,7 +102,7 @@ using namespace pds_cpu;
 
 extern "C" {
 
-__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 10; }
+__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 11; }
 
 // The instruction set `isa` (0 auto) resolves to on this CPU: 1 AVX2, 2 AVX-512 VNNI, 0 none.
 __attribute__((visibility("default"))) int pds_cpu_isa(int isa) {
@@ -162,20 +147,17 @@ __attribute__((visibility("default"))) int pds_cpu_qmatmul(int fmt, const float*
   return 0;
 }
 
-// y[M][N] = x'[M][K] . dequant(w)^T for x' the rows rounded to int16 per block of 32 and w a
-// Q4_0/Q4_1 matrix (fmt) also packed for the int16 path (qgemv_packed.h: qs [N][nbp * 16], dm
-// [N][2 * nbp]). AVX-512 only. Returns 0, 1 when AVX-512 is unavailable, 2 for bad arguments.
-__attribute__((visibility("default"))) int pds_cpu_qmatmul_packed(int fmt, const float* x, int64_t M, int64_t K,
-                                                                  const uint8_t* w, const uint8_t* qs,
-                                                                  const float* dm, int64_t N, float* y,
-                                                                  int threads) {
-  const Kernels* k = pick(ISA_AVX512);
-  if (k == nullptr) return 1;
-  if ((fmt != Q4_0 && fmt != Q4_1) || qs == nullptr || dm == nullptr || M < 0 || N < 0 || K <= 0 || K % QK)
-    return 2;
+// y[M][N] = x'[M][K] . dequant(W)^T for x' the rows rounded to int16 per block of 32 and W a
+// Q4_0/Q4_1 matrix packed for the int16 path (qgemv_packed.h: qs [P][K/32][256], dm
+// [P][K/32][32], P = ceil(N / 16)). AVX-512 VNNI only. Returns 0, 1 when AVX-512 is unavailable,
+// 2 for bad arguments.
+__attribute__((visibility("default"))) int pds_cpu_qmatmul_packed(const float* x, int64_t M, int64_t K,
+                                                                  const uint8_t* qs, const float* dm,
+                                                                  int64_t N, float* y, int threads) {
+  if (pick(ISA_AVX512) == nullptr) return 1;
+  if (qs == nullptr || dm == nullptr || M < 0 || N < 0 || K <= 0 || K % QK) return 2;
   if (M == 0 || N == 0) return 0;
-  const int64_t nb = K / QK;
-  qmatmul_int16(k, fmt, w, PackedQ4{qs, dm, nb + nb % 2}, x, M, K, N, y, threads);
+  qmatmul_int16(PackedQ4{qs, dm, K / QK}, x, M, K, N, y, threads);
   return 0;
 }
 
@@ -209,12 +191,14 @@ __attribute__((visibility("default"))) int pds_cpu_dequantize(int fmt, const uin
 // Decode attention over the paged cache (attention.h): q [B][heads][head_dim] (token stride
 // q_stride floats), caches [blocks][block_size][kv_heads][head_dim] fp32, tables [B][table_stride]
 // int64, lens [B] int64 (each >= 1), out [B][heads][head_dim]. One unit of work per (sequence,
-// KV head). Returns 0, 1 when AVX2 is unavailable, 2 for bad arguments.
+// KV head); `isa` as for the matmuls. Returns 0, 1 when the instruction set is unavailable, 2 for
+// bad arguments.
 __attribute__((visibility("default"))) int pds_cpu_paged_decode_attention(
     const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
     const int64_t* tables, int64_t table_stride, const int64_t* lens, int64_t B, int64_t heads,
-    int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out, int threads) {
-  if (pick(ISA_AVX2) == nullptr) return 1;
+    int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out, int isa, int threads) {
+  const Kernels* k = pick(isa);
+  if (k == nullptr) return 1;
   if (B < 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 || block_size <= 0) return 2;
   for (int64_t b = 0; b < B; ++b)
     if (lens[b] <= 0) return 2;
@@ -226,7 +210,7 @@ __attribute__((visibility("default"))) int pds_cpu_paged_decode_attention(
   {
     std::vector<float> scratch(decode_attention_scratch(a));
 #pragma omp for schedule(static)
-    for (int64_t u = 0; u < units; ++u) decode_attention_avx2(a, u / kv_heads, u % kv_heads, scratch.data());
+    for (int64_t u = 0; u < units; ++u) decode_attention_unit(a, u / kv_heads, u % kv_heads, scratch.data(), k == &kAvx512);
   }
   return 0;
 }

@@ -56,7 +56,7 @@ __attribute__((visibility("default"))) int pds_cpu_paged_extend_attention(
       d.out = out + starts[b] * heads * head_dim;
       d.tables = tables + b * table_stride;
       d.lens = lens + b;
-      decode_attention_avx2(d, 0, kvh, scratch.data());
+      decode_attention_unit(d, 0, kvh, scratch.data(), wide);
     } else if (wide)
       extend_attention_avx512(a, b, kvh, tile * per_tile, scratch.data());
     else

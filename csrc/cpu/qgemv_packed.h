@@ -1,42 +1,54 @@
-// The int16-activation path for decode (few activation rows) on AVX-512: Q4_0/Q4_1 weights
-// repacked once at load so one 32-byte load holds two blocks, activations quantized to int16 per
-// block of 32, products summed in int32 by vpmaddwd (32 per instruction) and scaled in fp32.
+// The int16-activation path on AVX-512 VNNI: Q4_0/Q4_1 weights repacked once at load into panels
+// of 16 weight rows, activations rounded to int16 per block of 32, products summed in int32 by
+// vpdpwssd (32 multiply-adds an instruction, two weights a lane) and scaled in fp32 once a block.
+// One kernel for every row count: decode (1 row) to prefill chunks (hundreds).
 //
-// Why: with the GGUF layout every block of 32 weights costs ~15 vector instructions (unpack,
-// widen to fp32, dequantize, two FMAs, scalar scale conversions): the fp32 dot path is compute-
-// bound at a quarter of memory bandwidth. Here two blocks cost ~12 for one row. int16 (not
-// llama.cpp's int8) keeps the activation rounding at amax / 65534 per block: 256x below int8's,
-// far below what moved the LM head's logits with int8 (see docs/quantization.md).
+// Why: in the GGUF layout every block of 32 weights costs ~15 vector instructions for one row on
+// fp32 activations (unpack, widen, convert, dequantize, two FMAs, scalar scales), and a dequantized
+// fp32 panel feeds one FMA per 16 multiply-adds: both compute-bound well below memory bandwidth.
+// Here a block of 16 rows costs 8 widenings, 16 masks/shifts, then per activation row 16 vpdpwssd
+// with broadcast activation pairs and 4 scaling instructions (the scales are vectors over the 16
+// rows). int16 (not llama.cpp's int8) keeps the activation rounding at amax / 65534 per block:
+// 256x below int8's, far below what moved the LM head's logits with int8 (docs/quantization.md).
 //
-// Packed layout of one weight row of nb blocks (nbp = nb rounded up to even, padding blocks 0):
-//   qs[p * 32 + j] = q(2p, j) | q(2p + 1, j) << 4   for pair p < nbp / 2, j < 32 (q(b, j): the
-//                    4-bit value of weight j of block b, natural order)
-//   dm[b] = d_b, dm[nbp + b] = m_b (Q4_1: its minimum; Q4_0: -8 d_b)   fp32, so w = d q + m.
+// Packed layout of N weight rows of nb blocks, in P = ceil(N / 16) panels (rows past N zero):
+//   qs[((p * nb + b) * 8 + c) * 32 + j], chunk c < 8 of block b, byte j < 32, for row 16p + j/2:
+//       low nibble  = q(b, 4c + j % 2),  high nibble = q(b, 4c + 2 + j % 2)
+//     (q(b, i): the 4-bit value of weight i of block b), so one widened 32-byte chunk masked
+//     (shifted) holds, per int32 lane, the pair of weights 4c, 4c+1 (4c+2, 4c+3) of one row.
+//   dm[(p * nb + b) * 32 + i] = d of row 16p + i in block b, dm[... + 16 + i] = its m (Q4_1: the
+//     minimum; Q4_0: -8 d), fp32, so w = d q + m.
+//
+// Every output is sum_b (d_b da_b) * S_b + m_b xs_b in block order, S_b the block's exact integer
+// sum (|S_b| <= 32 * 15 * 32767 < 2^24, so its fp32 conversion is exact too): the arithmetic of an
+// output does not depend on how many rows share the call or how threads split it.
 #pragma once
 #include <cstdint>
 
 namespace pds_cpu {
 
+constexpr int kPanelRows = 16;  // weight rows per packed panel
+
 struct PackedQ4 {
-  const uint8_t* qs;  // [N][nbp * 16]
-  const float* dm;    // [N][2 * nbp]
-  int64_t nbp;        // blocks per row, even
+  const uint8_t* qs;  // [P][nb][256]
+  const float* dm;    // [P][nb][32]
+  int64_t nb;         // blocks per row
 };
 
-// Activation rows prepared for the packed GEMV: a [M][nbp * 32] int16 (a block's values scaled
+// Activation rows prepared for the packed product: a [M][nbp * 32] int16 (a block's values scaled
 // by 1 / da, rounded to nearest even), da [M][nbp], xs [M][nbp] = da * (the block's integer sum),
-// the sum of the rounded activations, so the GEMV computes dequant(W) . x' for x' the rounded rows.
+// the sum of the rounded activations, so the product is dequant(W) . x' for x' the rounded rows.
+// Blocks past K / 32 (nbp may be larger) are zero.
 void packed_prepare_avx512(const float* x, int64_t M, int64_t K, int64_t nbp, int16_t* a, float* da,
                            float* xs);
 
 // The same rounding as fp32 values: out[m][k] = da * round(x[m][k] / da) per block of 32 (da =
-// amax / 32767, the quotient taken as x * (1 / da)). Multiplying these by the dequantized weights
-// in fp32 is the packed GEMV's product up to summation order: how rows that do not take the
-// packed GEMV (more rows, prefill) get the same activations.
+// amax / 32767, the quotient taken as x * (1 / da)): what the torch reference multiplies.
 void round_int16_avx512(const float* x, int64_t M, int64_t K, float* out);
 
-// y[m][n] for all M rows, n in [n0, n1) (row stride ldy).
-void packed_gemv_avx512(const PackedQ4& w, const int16_t* a, const float* da, const float* xs, int64_t M,
-                        float* y, int64_t ldy, int64_t n0, int64_t n1);
+// y[m][n] for rows m in [m0, m1), n in the panels [p0, p1) (n < N), row stride ldy; a, da, xs as
+// prepared with nbp = w.nb.
+void packed_gemm_avx512(const PackedQ4& w, const int16_t* a, const float* da, const float* xs, int64_t m0,
+                        int64_t m1, int64_t N, float* y, int64_t ldy, int64_t p0, int64_t p1);
 
 }  // namespace pds_cpu

@@ -1,4 +1,4 @@
-// The packed int16-activation GEMV (qgemv_packed.h), AVX-512 F/BW.
+// The packed int16-activation product (qgemv_packed.h), AVX-512 F/BW/VNNI.
 #include <immintrin.h>
 
 #include <cmath>
@@ -60,62 +60,68 @@ void round_int16_avx512(const float* x, int64_t M, int64_t K, float* out) {
 
 namespace {
 
-// MR activation rows x one weight row; two accumulators per row (even and odd blocks), so the
-// FMA chain of a single row is not latency-bound.
+// MR activation rows x one panel (16 weight rows), all blocks. Each block's products go to int32
+// chains (two per row, four for one or two rows, so a lone row is not bound by vpdpwssd's
+// latency), summed exactly at the block's end and scaled into one fp32 accumulator per row.
 template <int MR>
-void tile(const PackedQ4& w, const int16_t* a, const float* da, const float* xs, float* y, int64_t ldy,
-          int64_t n) {
-  const int64_t nbp = w.nbp;
-  const uint8_t* qs = w.qs + n * nbp * 16;
-  const float* d = w.dm + n * 2 * nbp;
-  const float* m = d + nbp;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m512 acc0[MR], acc1[MR];
-  for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
-  for (int64_t p = 0; p < nbp / 2; ++p) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + p * 32));
-    const __m512i w0 = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low));
-    const __m512i w1 = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-    const float d0 = d[2 * p], d1 = d[2 * p + 1];
+void panel_tile(const uint8_t* qs, const float* dm, int64_t nb, const int16_t* a, const float* da,
+                const float* xs, float* y, int64_t ldy, __mmask16 cols) {
+  constexpr int CH = MR <= 2 ? 2 : 1;
+  const int64_t astride = nb * 16;  // a row's int16 pairs as int32
+  const int32_t* pairs = reinterpret_cast<const int32_t*>(a);
+  const __m512i low = _mm512_set1_epi16(0x0F);
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i lo[CH][MR], hi[CH][MR];
+    for (int h = 0; h < CH; ++h)
+      for (int r = 0; r < MR; ++r) lo[h][r] = hi[h][r] = _mm512_setzero_si512();
+    const uint8_t* qb = qs + b * 256;
+    for (int c = 0; c < 8; ++c) {
+      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 32)));
+      const __m512i w0 = _mm512_and_si512(bytes, low);  // weights 4c, 4c+1 of each row
+      const __m512i w1 = _mm512_srli_epi16(bytes, 4);   // weights 4c+2, 4c+3
+      const int h = c % CH;
+      for (int r = 0; r < MR; ++r) {
+        const int32_t* ar = pairs + r * astride + b * 16 + 2 * c;
+        lo[h][r] = _mm512_dpwssd_epi32(lo[h][r], w0, _mm512_set1_epi32(ar[0]));
+        hi[h][r] = _mm512_dpwssd_epi32(hi[h][r], w1, _mm512_set1_epi32(ar[1]));
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(dm + b * 32), m = _mm512_loadu_ps(dm + b * 32 + 16);
     for (int r = 0; r < MR; ++r) {
-      const int16_t* ar = a + (r * nbp + 2 * p) * 32;
-      const __m512i s0 = _mm512_madd_epi16(w0, _mm512_loadu_si512(ar));
-      const __m512i s1 = _mm512_madd_epi16(w1, _mm512_loadu_si512(ar + 32));
-      const float* dr = da + r * nbp + 2 * p;
-      acc0[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_set1_ps(d0 * dr[0]), acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(d1 * dr[1]), acc1[r]);
+      __m512i s = _mm512_add_epi32(lo[0][r], hi[0][r]);
+      for (int h = 1; h < CH; ++h) s = _mm512_add_epi32(s, _mm512_add_epi32(lo[h][r], hi[h][r]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_mul_ps(d, _mm512_set1_ps(da[r * nb + b])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * nb + b]), acc[r]);
     }
   }
-  for (int r = 0; r < MR; ++r) {  // + sum_b m_b * (sum of the block's activations)
-    const float* xr = xs + r * nbp;
-    __m512 off = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 16 <= nbp; b += 16) off = _mm512_fmadd_ps(_mm512_loadu_ps(m + b), _mm512_loadu_ps(xr + b), off);
-    if (b < nbp) {
-      const __mmask16 k = static_cast<__mmask16>((1u << (nbp - b)) - 1);
-      off = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m + b), _mm512_maskz_loadu_ps(k, xr + b), off);
-    }
-    y[r * ldy] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[r], acc1[r]), off));
-  }
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy, cols, acc[r]);
 }
+
+constexpr int kTileRows = 4;
 
 }  // namespace
 
-void packed_gemv_avx512(const PackedQ4& w, const int16_t* a, const float* da, const float* xs, int64_t M,
-                        float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const int64_t stride = w.nbp * 32;
-  for (int64_t n = n0; n < n1; ++n) {
-    int64_t r = 0;
-    for (; r + 4 <= M; r += 4)
-      tile<4>(w, a + r * stride, da + r * w.nbp, xs + r * w.nbp, y + r * ldy + n, ldy, n);
+void packed_gemm_avx512(const PackedQ4& w, const int16_t* a, const float* da, const float* xs, int64_t m0,
+                        int64_t m1, int64_t N, float* y, int64_t ldy, int64_t p0, int64_t p1) {
+  const int64_t nb = w.nb, stride = nb * 32;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint8_t* qs = w.qs + p * nb * 256;
+    const float* dm = w.dm + p * nb * 32;
+    const int64_t n = p * kPanelRows;
+    const __mmask16 cols = static_cast<__mmask16>(N - n >= kPanelRows ? 0xFFFF : (1u << (N - n)) - 1);
+    int64_t r = m0;
+    for (; r + kTileRows <= m1; r += kTileRows)
+      panel_tile<kTileRows>(qs, dm, nb, a + r * stride, da + r * nb, xs + r * nb, y + r * ldy + n, ldy, cols);
     const int16_t* ar = a + r * stride;
-    const float* dr = da + r * w.nbp;
-    const float* xr = xs + r * w.nbp;
+    const float* dr = da + r * nb;
+    const float* xr = xs + r * nb;
     float* yr = y + r * ldy + n;
-    switch (M - r) {
-      case 3: tile<3>(w, ar, dr, xr, yr, ldy, n); break;
-      case 2: tile<2>(w, ar, dr, xr, yr, ldy, n); break;
-      case 1: tile<1>(w, ar, dr, xr, yr, ldy, n); break;
+    switch (m1 - r) {
+      case 3: panel_tile<3>(qs, dm, nb, ar, dr, xr, yr, ldy, cols); break;
+      case 2: panel_tile<2>(qs, dm, nb, ar, dr, xr, yr, ldy, cols); break;
+      case 1: panel_tile<1>(qs, dm, nb, ar, dr, xr, yr, ldy, cols); break;
       default: break;
     }
   }

@@ -1,5 +1,5 @@
 """Block-quantized weights (GGUF Q4_0, Q4_1, Q8_0): formats, torch references, native matmul,
-and the Q4 packing of the batch-1 decode path (packed.py).
+and the Q4 packing of the int16-activation path (packed.py).
 
 Each op has a `torch` implementation (the reference, any device) and a `native` one (the
 AVX2 / AVX-512 VNNI kernels of csrc/cpu/, CPU only); `qmatmul` picks native when the library is
@@ -36,7 +36,7 @@ GEMM_SLICE = 4096
 def qmatmul_native(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, isa: str | None = None,
                    threads: int | None = None, path: str = "auto") -> torch.Tensor:
     """x [M, K] @ W^T on the CPU kernels, fp32 out. `path`: f32 (weights dequantized in
-    registers, or in panels of 16 rows from 16 rows on AVX-512; fp32 activations), gemm
+    registers, or in panels of 16 rows from 64 rows on AVX-512; fp32 activations), gemm
     (weights dequantized in slices, torch's GEMM), int8 (activations quantized per block of 32,
     integer dot products, as llama.cpp does) or auto (f32 below GEMM_MIN_ROWS rows, then gemm).
     `isa` forces avx2 | avx512 (tests)."""
@@ -61,15 +61,10 @@ def qmatmul_packed_reference(x: torch.Tensor, raw: torch.Tensor, fmt: BlockForma
 
 def qmatmul_packed_cpu(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, packed: PackedQ4
                        ) -> torch.Tensor:
-    """y = round16(x) W^T, any leading dims, in x's dtype (AVX-512): the packed GEMV for few
-    rows, the fp32 dot or panel path on the rounded rows for more, and from GEMM_MIN_ROWS on
-    (prefill) the rounded rows through `qmatmul_native`'s GEMM."""
+    """y = round16(x) W^T, any leading dims, in x's dtype (AVX-512 VNNI): the packed int16 kernel
+    for every row count (`raw` unused: the packed copy holds the same weights)."""
     lead, k = x.shape[:-1], x.shape[-1]
-    x2 = x.reshape(-1, k).to(torch.float32)
-    if x2.shape[0] >= GEMM_MIN_ROWS:
-        y = qmatmul_native(cpu_lib.round_int16(x2), raw, fmt)
-    else:
-        y = cpu_lib.qmatmul_packed(x2, raw, fmt.code, packed.qs, packed.dm, raw.shape[0], k)
+    y = cpu_lib.qmatmul_packed(x.reshape(-1, k).to(torch.float32), packed.qs, packed.dm, raw.shape[0], k)
     return y.reshape(*lead, raw.shape[0]).to(x.dtype)
 
 

@@ -1,10 +1,10 @@
-"""Q4_0/Q4_1 weights repacked for the int16-activation decode path (csrc/cpu/qgemv_packed.h).
+"""Q4_0/Q4_1 weights repacked for the int16-activation path (csrc/cpu/qgemv_packed.h).
 
-Packed once at load, next to the GGUF blocks (which prefill, the embedding and the torch
-reference keep reading): per row, two blocks share 32 bytes (block 2p's 4-bit values in the low
-nibbles, block 2p+1's in the high ones, each in natural order), and the scales are fp32:
-`dm[:, :nbp]` the block scales d, `dm[:, nbp:]` the offsets m (Q4_1's minimum, Q4_0's −8·d), so
-every weight is d·q + m. One 32-byte load then feeds 64 weights to the integer dot products.
+Packed once at load, next to the GGUF blocks (which the embedding, `--kernels torch` and the
+torch reference keep reading), in panels of 16 weight rows: per panel and block, 256 bytes of
+4-bit values ordered so that one widened 32-byte chunk holds, per 32-bit lane, a pair of
+consecutive weights of one row (the operand layout of `vpdpwssd`), then the 16 rows' scales d and
+offsets m as fp32 (Q4_1's minimum, Q4_0's −8·d), so every weight is d·q + m.
 """
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ import torch
 
 from .formats import BLOCK, Q4_0, Q4_1, BlockFormat
 
+PANEL_ROWS = 16
+
 
 class PackedQ4(NamedTuple):
-    """A packed matrix: `qs` uint8 [N, nbp * 16], `dm` fp32 [N, 2 * nbp] (nbp: blocks, even)."""
+    """A packed matrix of N rows, nb blocks a row, P = ceil(N / 16) panels: `qs` uint8
+    [P, nb * 256], `dm` fp32 [P, nb * 32]."""
 
     qs: torch.Tensor
     dm: torch.Tensor
@@ -27,8 +30,8 @@ def packable(fmt: BlockFormat) -> bool:
 
 
 def pack_q4(raw: torch.Tensor, fmt: BlockFormat) -> PackedQ4:
-    """Repack `raw` (rows of Q4_0 / Q4_1 blocks) into the layout above (an odd block count gets a
-    zero block: q = 0, d = m = 0)."""
+    """Repack `raw` (rows of Q4_0 / Q4_1 blocks) into the layout above (rows past N in the last
+    panel are zero: q = 0, d = m = 0)."""
     if not packable(fmt):
         raise ValueError(f"only Q4_0 and Q4_1 pack for the int16 path, not {fmt.name}")
     n = raw.shape[0]
@@ -41,12 +44,15 @@ def pack_q4(raw: torch.Tensor, fmt: BlockFormat) -> PackedQ4:
     else:
         m = -8.0 * d
         qs = blocks[..., 2:]
-    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [n, nb, 32]: weight j of each block, natural order
-    nbp = nb + nb % 2
-    if nbp != nb:
-        q = torch.cat((q, q.new_zeros(n, 1, BLOCK)), dim=1)
-        d = torch.cat((d, d.new_zeros(n, 1)), dim=1)
-        m = torch.cat((m, m.new_zeros(n, 1)), dim=1)
-    pairs = q.view(n, nbp // 2, 2, BLOCK)
-    packed = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(n, nbp * BLOCK // 2).contiguous()
-    return PackedQ4(packed, torch.cat((d, m), dim=1).contiguous())
+    q = torch.cat((qs & 0x0F, qs >> 4), dim=-1)  # [n, nb, 32]: weight i of each block, natural order
+    panels = -(-n // PANEL_ROWS)
+    pad = panels * PANEL_ROWS - n
+    if pad:
+        q = torch.cat((q, q.new_zeros(pad, nb, BLOCK)))
+        d = torch.cat((d, d.new_zeros(pad, nb)))
+        m = torch.cat((m, m.new_zeros(pad, nb)))
+    # weight i = 4c + 2h + e of row f in panel p goes to chunk c, byte 2f + e, nibble h (low h = 0)
+    q6 = q.view(panels, PANEL_ROWS, nb, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)  # p, b, c, f, e, h
+    packed = (q6[..., 0] | (q6[..., 1] << 4)).reshape(panels, nb * 256).contiguous()
+    scales = torch.stack((d, m)).view(2, panels, PANEL_ROWS, nb).permute(1, 3, 0, 2)  # p, b, (d|m), f
+    return PackedQ4(packed, scales.reshape(panels, nb * 2 * PANEL_ROWS).contiguous())

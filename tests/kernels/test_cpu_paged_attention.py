@@ -1,4 +1,5 @@
-"""The native CPU paged decode attention (csrc/cpu/attention_avx2.cpp) against the torch reference.
+"""The native CPU paged decode attention (csrc/cpu/attention_avx2.cpp, and attention_avx512.cpp for
+head_dim 64 and 128 with up to 8 query heads per KV head) against the torch reference.
 
 Random caches and block tables (blocks shuffled, so a sequence's blocks are scattered and tables
 are padded), odd context lengths on and off block boundaries, GQA ratios 1, 3 and 8, head sizes
@@ -56,15 +57,27 @@ CASES = [  # (context lengths, heads, kv_heads, head_dim, block_size)
 ]
 
 
+ISAS = [pytest.param(isa, marks=pytest.mark.skipif(not cpu_lib.isa_supported(isa), reason=f"no {isa} here"))
+        for isa in ("avx2", "avx512")]
+
+
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("lens,heads,kv_heads,head_dim,block_size", CASES)
-def test_native_decode_attention_equals_the_torch_reference(lens, heads, kv_heads, head_dim, block_size):
+def test_native_decode_attention_equals_the_torch_reference(lens, heads, kv_heads, head_dim, block_size, isa):
     q, k_cache, v_cache, tables = _case(lens, heads, kv_heads, head_dim, block_size, seed=sum(lens))
     starts = list(range(len(lens) + 1))
     scale = head_dim ** -0.5
     want = attention.paged_attention(q, k_cache, v_cache, starts, lens, tables, scale)
-    got = attention_cpu.paged_attention_cpu(q, k_cache, v_cache, starts, lens, tables, scale)
+    got = cpu_lib.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), scale, isa=isa)
     assert got.shape == want.shape == (len(lens), heads, head_dim)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_the_op_takes_the_native_kernel():
+    q, k_cache, v_cache, tables = _case([16, 17, 15, 33], 9, 3, 64, 16, seed=1)
+    lens = [16, 17, 15, 33]
+    got = attention_cpu.paged_attention_cpu(q, k_cache, v_cache, list(range(5)), lens, tables, 0.125)
+    assert torch.equal(got, cpu_lib.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 0.125))
 
 
 def test_threads_split_sequences_and_kv_heads_without_changing_the_result():

@@ -1,5 +1,5 @@
-"""The int16-activation path (csrc/cpu/qgemv_packed_avx512.cpp; the packed GEMV for few rows,
-the fp32 paths on rounded rows for more) against its reference (activations rounded per block,
+"""The int16-activation path (csrc/cpu/qgemv_packed_avx512.cpp, one kernel for every row count)
+against its reference (activations rounded per block,
 then dequantize-then-matmul) and against the fp32 product, and the repacking against the GGUF
 blocks.
 
@@ -46,10 +46,10 @@ def test_native_rounding_is_the_reference_bit_for_bit():
 
 @pytest.mark.parametrize("fmt", [Q4_0, Q4_1])
 @pytest.mark.parametrize("m,n,k", [(1, 37, 96), (2, 100, 160), (1, 16, 32), (3, 23, 576), (5, 23, 576),
-                                   (17, 40, 96), (70, 33, 64)])
+                                   (17, 40, 96), (70, 33, 64), (130, 50, 96)])
 def test_int16_path_equals_its_reference_and_stays_within_the_rounding_bound(fmt, m, n, k):
-    """Rows below four take the packed GEMV, more the fp32 dot or panel path on rounded rows,
-    from 64 the GEMM on rounded rows: every route multiplies the same rounded activations."""
+    """Odd row counts (tiles of 4 and a tail), partial last panels, and more rows than one unit of
+    work (64)."""
     g = torch.Generator().manual_seed(m * n + k)
     raw = quantize(torch.randn(n, k, generator=g) * 0.1, fmt)
     x = _activations(g, m, k)
@@ -60,15 +60,38 @@ def test_int16_path_equals_its_reference_and_stays_within_the_rounding_bound(fmt
     assert ((y - qmatmul_torch(x, raw, fmt)).abs() <= _rounding(x, w) + _summation(x, w)).all()
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_gets_the_same_bits_alone_and_among_others(threads):
+    """Every output sums its blocks in one order whatever the tile, the row count or the thread
+    split (qgemv_packed.h): a decode row's result does not depend on its batch."""
+    g = torch.Generator().manual_seed(11)
+    raw = quantize(torch.randn(100, 576, generator=g) * 0.1, Q4_1)
+    packed = pack_q4(raw, Q4_1)
+    x = _activations(g, 70, 576)
+    together = cpu_lib.qmatmul_packed(x, packed.qs, packed.dm, 100, 576, threads)
+    for rows in (slice(0, 1), slice(5, 7), slice(9, 12), slice(20, 25), slice(0, 70)):
+        assert torch.equal(cpu_lib.qmatmul_packed(x[rows], packed.qs, packed.dm, 100, 576, threads), together[rows])
+
+
 @pytest.mark.parametrize("fmt", [Q4_0, Q4_1])
 def test_packing_keeps_every_weight(fmt):
-    """Unpacking qs and dm gives the dequantized GGUF weights bit for bit (odd block count: the
-    padding block is zero)."""
+    """Unpacking qs and dm by the layout of qgemv_packed.h gives the dequantized GGUF weights bit
+    for bit (23 rows: the last panel's missing rows are zero)."""
     g = torch.Generator().manual_seed(3)
-    raw = quantize(torch.randn(7, 96, generator=g), fmt)  # 3 blocks a row: one padding block
+    n, nb = 23, 3
+    raw = quantize(torch.randn(n, nb * 32, generator=g), fmt)
     qs, dm = pack_q4(raw, fmt)
-    nbp = dm.shape[1] // 2
-    q = torch.stack((qs & 0x0F, qs >> 4), dim=2).view(7, nbp // 2, 32, 2).permute(0, 1, 3, 2).reshape(7, nbp, 32)
-    w = q.float() * dm[:, :nbp, None] + dm[:, nbp:, None]
-    assert torch.equal(w[:, :3].reshape(7, 96), dequantize(raw, fmt))
-    assert torch.equal(w[:, 3], torch.zeros(7, 32))
+    assert qs.shape == (2, nb * 256) and dm.shape == (2, nb * 32)
+    w = torch.empty(32, nb * 32)
+    for p in range(2):
+        for b in range(nb):
+            d = dm[p, b * 32:b * 32 + 16]
+            m = dm[p, b * 32 + 16:b * 32 + 32]
+            for c in range(8):
+                chunk = qs[p, b * 256 + c * 32:b * 256 + c * 32 + 32]
+                for j in range(32):
+                    row, e = p * 16 + j // 2, j % 2
+                    for h, q in enumerate((chunk[j] & 0x0F, chunk[j] >> 4)):
+                        w[row, b * 32 + 4 * c + 2 * h + e] = q.float() * d[j // 2] + m[j // 2]
+    assert torch.equal(w[:n], dequantize(raw, fmt))
+    assert torch.equal(w[n:], torch.zeros(32 - n, nb * 32))

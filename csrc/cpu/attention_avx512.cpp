@@ -1,0 +1,129 @@
+// Paged decode attention (attention.h) on AVX-512F for head_dim 64 or 128 and up to 8 query heads
+// per KV head (every model here); other shapes take the AVX2 kernel.
+//
+// Why a second kernel: the AVX2 one keeps each head's output accumulator in memory (a load, an
+// FMA and a store per 8 dims per key and head) and sums each score with a 256-bit horizontal add.
+// Here the group's accumulators live in registers (G x head_dim / 16 zmm), a value row is loaded
+// once and feeds G x head_dim / 16 FMAs with the probability broadcast from memory, and a score
+// is head_dim / 16 FMAs and one 512-bit reduction. Same online softmax, per chunk of up to 16 keys
+// of one block.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "attention.h"
+
+namespace pds_cpu {
+namespace {
+
+constexpr int kChunk = 16;  // keys per softmax update (one vector of scores)
+
+// e^x for x <= 0: x = n ln2 + r, a degree-6 polynomial for e^r, times 2^n by scalef (the AVX2
+// kernel's constants); below -87.3 (the -inf of masked keys included) the result is 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
+}
+
+// G query heads of head_dim 16 * D over one KV head; `probs` is scratch for G x 16 floats.
+template <int G, int D>
+void decode_unit(const DecodeAttention& a, int64_t b, int64_t kvh, float* probs) {
+  const int64_t d = 16 * D, bs = a.block_size, len = a.lens[b], row = a.kv_heads * d;
+  const float* q = a.q + b * a.q_stride + kvh * G * d;
+  const int64_t* table = a.tables + b * a.table_stride;
+  __m512 qv[G][D], acc[G][D];
+  float run_max[G], run_sum[G];
+  for (int g = 0; g < G; ++g) {
+    for (int i = 0; i < D; ++i) {
+      qv[g][i] = _mm512_loadu_ps(q + g * d + 16 * i);
+      acc[g][i] = _mm512_setzero_ps();
+    }
+    run_max[g] = -std::numeric_limits<float>::infinity();
+    run_sum[g] = 0.0f;
+  }
+  const __m512 scale = _mm512_set1_ps(a.scale);
+  for (int64_t t0 = 0; t0 < len;) {
+    const int64_t off = t0 % bs, n = std::min<int64_t>({kChunk, bs - off, len - t0});
+    const float* k0 = a.k_cache + (table[t0 / bs] * bs + off) * row + kvh * d;
+    const float* v0 = a.v_cache + (table[t0 / bs] * bs + off) * row + kvh * d;
+    for (int64_t j = 0; j < n; ++j) {  // scores: each key row read once for the group
+      const float* k = k0 + j * row;
+      for (int g = 0; g < G; ++g) {
+        __m512 s = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(k));
+        for (int i = 1; i < D; ++i) s = _mm512_fmadd_ps(qv[g][i], _mm512_loadu_ps(k + 16 * i), s);
+        probs[g * kChunk + j] = _mm512_reduce_add_ps(s);
+      }
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1);
+    for (int g = 0; g < G; ++g) {  // online softmax update
+      const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                                          _mm512_loadu_ps(probs + g * kChunk), scale);
+      const float m = std::max(run_max[g], _mm512_reduce_max_ps(s));
+      const __m512 p = exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m)));
+      _mm512_storeu_ps(probs + g * kChunk, p);
+      const float alpha = std::exp(run_max[g] - m);  // 0 on the first chunk (exp(-inf))
+      run_sum[g] = run_sum[g] * alpha + _mm512_reduce_add_ps(p);
+      run_max[g] = m;
+      if (alpha != 1.0f) {
+        const __m512 av = _mm512_set1_ps(alpha);
+        for (int i = 0; i < D; ++i) acc[g][i] = _mm512_mul_ps(acc[g][i], av);
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {  // values: each row loaded once for the group
+      const float* v = v0 + j * row;
+      __m512 vv[D];
+      for (int i = 0; i < D; ++i) vv[i] = _mm512_loadu_ps(v + 16 * i);
+      for (int g = 0; g < G; ++g) {
+        const __m512 p = _mm512_set1_ps(probs[g * kChunk + j]);
+        for (int i = 0; i < D; ++i) acc[g][i] = _mm512_fmadd_ps(p, vv[i], acc[g][i]);
+      }
+    }
+    t0 += n;
+  }
+  float* out = a.out + (b * a.heads + kvh * G) * d;
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(1.0f / run_sum[g]);
+    for (int i = 0; i < D; ++i) _mm512_storeu_ps(out + g * d + 16 * i, _mm512_mul_ps(acc[g][i], inv));
+  }
+}
+
+template <int D>
+bool decode_group(const DecodeAttention& a, int64_t b, int64_t kvh, float* probs) {
+  switch (a.heads / a.kv_heads) {
+    case 1: decode_unit<1, D>(a, b, kvh, probs); return true;
+    case 2: decode_unit<2, D>(a, b, kvh, probs); return true;
+    case 3: decode_unit<3, D>(a, b, kvh, probs); return true;
+    case 4: decode_unit<4, D>(a, b, kvh, probs); return true;
+    case 5: decode_unit<5, D>(a, b, kvh, probs); return true;
+    case 6: decode_unit<6, D>(a, b, kvh, probs); return true;
+    case 7: decode_unit<7, D>(a, b, kvh, probs); return true;
+    case 8: decode_unit<8, D>(a, b, kvh, probs); return true;
+    default: return false;
+  }
+}
+
+}  // namespace
+
+bool decode_attention_avx512(const DecodeAttention& a, int64_t b, int64_t kvh, float* scratch) {
+  if (a.head_dim == 64) return decode_group<4>(a, b, kvh, scratch);
+  if (a.head_dim == 128) return decode_group<8>(a, b, kvh, scratch);
+  return false;
+}
+
+}  // namespace pds_cpu
