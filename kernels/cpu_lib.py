@@ -1,5 +1,5 @@
 """Build, cache and load libpdserve_cpu.so (csrc/cpu/: quantized matmuls, AVX2 and AVX-512 VNNI,
-and the packed int16 decode GEMV, AVX-512; paged decode attention, fused residual add + RMSNorm,
+and the packed int16-activation product, AVX-512 VNNI; paged decode attention, fused residual add + RMSNorm,
 RoPE and SwiGLU, AVX2; paged extend attention (several new tokens per sequence over the cache),
 AVX2 and AVX-512; the fused decode blocks of a decoder layer).
 

@@ -84,7 +84,7 @@ void qmatmul_int16(const PackedQ4& w, const float* x, int64_t M, int64_t K, int6
   int16_t* a = aligned_scratch(act, M * K);
   float* da = aligned_scratch(scales, 2 * M * nb);
   float* xs = da + M * nb;
-  packed_prepare_avx512(x, M, K, nb, a, da, xs);
+  packed_prepare_avx512(x, M, K, a, da, xs);
   const int64_t panels = (N + kPanelRows - 1) / kPanelRows;
   const int64_t per_unit = rows_per_unit(N, threads) / kPanelRows;
   const int64_t col_units = (panels + per_unit - 1) / per_unit;

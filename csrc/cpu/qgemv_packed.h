@@ -35,19 +35,17 @@ struct PackedQ4 {
   int64_t nb;         // blocks per row
 };
 
-// Activation rows prepared for the packed product: a [M][nbp * 32] int16 (a block's values scaled
-// by 1 / da, rounded to nearest even), da [M][nbp], xs [M][nbp] = da * (the block's integer sum),
+// Activation rows prepared for the packed product: a [M][K] int16 (a block's values scaled by
+// 1 / da, rounded to nearest even), da [M][K/32], xs [M][K/32] = da * (the block's integer sum),
 // the sum of the rounded activations, so the product is dequant(W) . x' for x' the rounded rows.
-// Blocks past K / 32 (nbp may be larger) are zero.
-void packed_prepare_avx512(const float* x, int64_t M, int64_t K, int64_t nbp, int16_t* a, float* da,
-                           float* xs);
+void packed_prepare_avx512(const float* x, int64_t M, int64_t K, int16_t* a, float* da, float* xs);
 
 // The same rounding as fp32 values: out[m][k] = da * round(x[m][k] / da) per block of 32 (da =
 // amax / 32767, the quotient taken as x * (1 / da)): what the torch reference multiplies.
 void round_int16_avx512(const float* x, int64_t M, int64_t K, float* out);
 
 // y[m][n] for rows m in [m0, m1), n in the panels [p0, p1) (n < N), row stride ldy; a, da, xs as
-// prepared with nbp = w.nb.
+// prepared above.
 void packed_gemm_avx512(const PackedQ4& w, const int16_t* a, const float* da, const float* xs, int64_t m0,
                         int64_t m1, int64_t N, float* y, int64_t ldy, int64_t p0, int64_t p1);
 

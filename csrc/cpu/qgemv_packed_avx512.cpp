@@ -21,29 +21,19 @@ inline float block_scale(__m512 v0, __m512 v1, __m512* inv) {
 
 }  // namespace
 
-void packed_prepare_avx512(const float* x, int64_t M, int64_t K, int64_t nbp, int16_t* a, float* da,
-                           float* xs) {
-  const int64_t nb = K / 32;
-  for (int64_t r = 0; r < M; ++r) {
-    for (int64_t b = 0; b < nbp; ++b) {
-      int16_t* out = a + (r * nbp + b) * 32;
-      if (b >= nb) {  // the padding block of an odd count: zero weights, zero activations
-        _mm512_storeu_si512(out, _mm512_setzero_si512());
-        da[r * nbp + b] = xs[r * nbp + b] = 0.0f;
-        continue;
-      }
-      const float* xb = x + r * K + b * 32;
-      const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-      __m512 inv;
-      const float d = block_scale(v0, v1, &inv);
-      // cvtps rounds to nearest even (the default MXCSR mode); |x / d| <= 32767 fits int16
-      const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
-      const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(i0));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16), _mm512_cvtepi32_epi16(i1));
-      da[r * nbp + b] = d;
-      xs[r * nbp + b] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
-    }
+void packed_prepare_avx512(const float* x, int64_t M, int64_t K, int16_t* a, float* da, float* xs) {
+  for (int64_t i = 0; i < M * (K / 32); ++i) {  // block i of the M rows (rows are whole blocks)
+    const float* xb = x + i * 32;
+    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
+    __m512 inv;
+    const float d = block_scale(v0, v1, &inv);
+    // cvtps rounds to nearest even (the default MXCSR mode); |x / d| <= 32767 fits int16
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv));
+    const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + i * 32), _mm512_cvtepi32_epi16(i0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(a + i * 32 + 16), _mm512_cvtepi32_epi16(i1));
+    da[i] = d;
+    xs[i] = d * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
   }
 }
 

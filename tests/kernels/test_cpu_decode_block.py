@@ -118,7 +118,7 @@ def test_op_api_variant_runs_native_and_falls_back_on_other_layouts():
 @pytest.mark.parametrize("B", [1, 2, 5])
 def test_blocks_with_packed_weights_equal_their_reference(B):
     """With packed Q4 weights every projection multiplies int16-rounded activations (the packed
-    GEMV below four rows, the fp32 path on rounded rows above): the reference rounds the same
+    int16 kernel at any row count): the reference rounds the same
     way, so only summation order differs (1e-4 as for the fp32 blocks). Against the fp32
     reference the rounding adds ≤ amax/65534 per value of a block (1.5e-5 of the block's
     largest); through sums of ≤ 192 terms and SwiGLU (slope ≤ 1.1) < 5e-4 of the outputs' scale

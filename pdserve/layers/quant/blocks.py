@@ -42,13 +42,12 @@ class BlockQuantLinearMethod(LinearMethod):
         place(layer.weight, read_blocks(source, name, shard, self.fmt, self.on_load), shard, name)
 
     def finish(self, layer: nn.Module, dtype: torch.dtype) -> None:
-        """Q4_0/Q4_1 on a CPU running the native kernels with AVX-512 (unless
+        """Q4_0/Q4_1 on a CPU running the native kernels with AVX-512 VNNI (unless
         $PDSERVE_INT16_ACTIVATIONS=0, `cpu_lib.int16_activations`): also keep the weight packed
-        for the int16-activation path (pdserve_kernels.quant.packed; ≈6 bits a weight more in
+        for the int16-activation kernel (pdserve_kernels.quant.packed; ≈6 bits a weight more in
         memory). Then every row this layer multiplies, in any step, has its activations rounded
-        to int16 per block of 32 (`qmatmul_packed`): batch-1 decode takes the packed GEMV (about
-        twice the fp32 path's speed), and a row's numerics never depend on which kernel its
-        step's size picked beyond fp32 summation order."""
+        to int16 per block of 32 and goes through that one kernel (`qmatmul_packed`): 1.5–4× the
+        fp32 paths' speed, and a row's result is the same bits whatever its step's size."""
         if packable(self.fmt) and layer.weight.device.type == "cpu" and ops.is_native(ops.qmatmul_packed) \
                 and cpu_lib.int16_activations():
             layer.packed = pack_q4(layer.weight.data, self.fmt)
