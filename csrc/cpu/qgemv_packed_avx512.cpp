@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "qgemv_packed.h"
 
@@ -50,6 +51,14 @@ void round_int16_avx512(const float* x, int64_t M, int64_t K, float* out) {
 
 namespace {
 
+// Two int16 activations broadcast as one 32-bit value to every lane (memcpy: no aliasing of the
+// int16 array as int32; it compiles to one broadcast load).
+inline __m512i pair(const int16_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return _mm512_set1_epi32(v);
+}
+
 // MR activation rows x one panel (16 weight rows), all blocks. Each block's products go to int32
 // chains (two per row, four for one or two rows, so a lone row is not bound by vpdpwssd's
 // latency), summed exactly at the block's end and scaled into one fp32 accumulator per row.
@@ -57,8 +66,7 @@ template <int MR>
 void panel_tile(const uint8_t* qs, const float* dm, int64_t nb, const int16_t* a, const float* da,
                 const float* xs, float* y, int64_t ldy, __mmask16 cols) {
   constexpr int CH = MR <= 2 ? 2 : 1;
-  const int64_t astride = nb * 16;  // a row's int16 pairs as int32
-  const int32_t* pairs = reinterpret_cast<const int32_t*>(a);
+  const int64_t astride = nb * 32;  // int16 values a row
   const __m512i low = _mm512_set1_epi16(0x0F);
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
@@ -73,9 +81,9 @@ void panel_tile(const uint8_t* qs, const float* dm, int64_t nb, const int16_t* a
       const __m512i w1 = _mm512_srli_epi16(bytes, 4);   // weights 4c+2, 4c+3
       const int h = c % CH;
       for (int r = 0; r < MR; ++r) {
-        const int32_t* ar = pairs + r * astride + b * 16 + 2 * c;
-        lo[h][r] = _mm512_dpwssd_epi32(lo[h][r], w0, _mm512_set1_epi32(ar[0]));
-        hi[h][r] = _mm512_dpwssd_epi32(hi[h][r], w1, _mm512_set1_epi32(ar[1]));
+        const int16_t* ar = a + r * astride + b * 32 + 4 * c;
+        lo[h][r] = _mm512_dpwssd_epi32(lo[h][r], w0, pair(ar));
+        hi[h][r] = _mm512_dpwssd_epi32(hi[h][r], w1, pair(ar + 2));
       }
     }
     const __m512 d = _mm512_loadu_ps(dm + b * 32), m = _mm512_loadu_ps(dm + b * 32 + 16);
