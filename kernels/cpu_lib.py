@@ -333,8 +333,8 @@ def qmatmul_packed(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, n: int, 
 
 
 def round_int16(x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (K a multiple of 32) rounded per block of 32 to the int16 grid of the packed path,
-    as fp32 (AVX-512)."""
+    """x [M, K] (K a multiple of 32) rounded per block of 32 exactly as the packed product rounds
+    it, as fp32 (AVX-512; for tests against the torch rounding)."""
     lib = _loaded()
     x = x.contiguous()
     out = torch.empty_like(x)

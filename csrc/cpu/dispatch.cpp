@@ -161,13 +161,17 @@ __attribute__((visibility("default"))) int pds_cpu_qmatmul_packed(const float* x
   return 0;
 }
 
-// out[M][K] = x rounded to int16 per block of 32 as the packed path rounds it (qgemv_packed.h),
-// as fp32. AVX-512 only. Returns 0, 1 when AVX-512 is unavailable, 2 for bad arguments.
+// out[M][K] = x rounded to int16 per block of 32 exactly as the packed product rounds it
+// (qgemv_packed.h: da * q, as fp32), so tests can hold that rounding to the torch reference bit
+// for bit. AVX-512 only. Returns 0, 1 when AVX-512 is unavailable, 2 for bad arguments.
 __attribute__((visibility("default"))) int pds_cpu_round_int16(const float* x, int64_t M, int64_t K,
                                                                float* out) {
   if (pick(ISA_AVX512) == nullptr) return 1;
   if (M < 0 || K <= 0 || K % QK) return 2;
-  round_int16_avx512(x, M, K, out);
+  std::vector<int16_t> a(M * K);
+  std::vector<float> da(M * K / QK), xs(M * K / QK);
+  packed_prepare_avx512(x, M, K, a.data(), da.data(), xs.data());
+  for (int64_t i = 0; i < M * K; ++i) out[i] = da[i / QK] * static_cast<float>(a[i]);
   return 0;
 }
 

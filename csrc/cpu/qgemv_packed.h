@@ -40,10 +40,6 @@ struct PackedQ4 {
 // the sum of the rounded activations, so the product is dequant(W) . x' for x' the rounded rows.
 void packed_prepare_avx512(const float* x, int64_t M, int64_t K, int16_t* a, float* da, float* xs);
 
-// The same rounding as fp32 values: out[m][k] = da * round(x[m][k] / da) per block of 32 (da =
-// amax / 32767, the quotient taken as x * (1 / da)): what the torch reference multiplies.
-void round_int16_avx512(const float* x, int64_t M, int64_t K, float* out);
-
 // y[m][n] for rows m in [m0, m1), n in the panels [p0, p1) (n < N), row stride ldy; a, da, xs as
 // prepared above.
 void packed_gemm_avx512(const PackedQ4& w, const int16_t* a, const float* da, const float* xs, int64_t m0,

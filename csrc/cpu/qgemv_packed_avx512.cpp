@@ -38,17 +38,6 @@ void packed_prepare_avx512(const float* x, int64_t M, int64_t K, int16_t* a, flo
   }
 }
 
-void round_int16_avx512(const float* x, int64_t M, int64_t K, float* out) {
-  for (int64_t i = 0; i < M * (K / 32); ++i) {
-    const float* xb = x + i * 32;
-    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-    __m512 inv;
-    const __m512 d = _mm512_set1_ps(block_scale(v0, v1, &inv));
-    _mm512_storeu_ps(out + i * 32, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv))), d));
-    _mm512_storeu_ps(out + i * 32 + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv))), d));
-  }
-}
-
 namespace {
 
 // Two int16 activations broadcast as one 32-bit value to every lane (memcpy: no aliasing of the
