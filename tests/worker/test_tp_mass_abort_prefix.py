@@ -60,7 +60,7 @@ def test_mass_abort_with_shared_prefixes_and_a_host_tier_under_tp2_pd(tiny_llama
             tasks = [asyncio.create_task(c.generate(f"m{k}-{i}", p, {**GREEDY, "max_tokens": 100}))
                      for i, p in enumerate(batch)]
             # the abort comes while requests decode and rooms are still waiting for their KV
-            await abort_window(c, decode, tasks, k + 1)
+            assert await abort_window(c, decode, tasks, k + 1), "every request ended before the abort window opened"
             for t in tasks:  # every stream goes away at once
                 t.cancel()
             await asyncio.gather(*(c.abort(f"m{k}-{i}") for i in range(STREAMS)))
