@@ -200,7 +200,7 @@ def test_sigterm_during_32_streams_drains_finishes_or_stops_each_and_exits_zero(
             # the signal)
             short = i % 2 == 0
             events: list[str] = []
-            req = body(f"Tell me about the number {i}.", max_tokens=48 if short else 2000, ignore_eos=True,
+            req = body(f"Tell me about the number {i}.", max_tokens=96 if short else 2000, ignore_eos=True,
                        stream=True)
             async with http.stream("POST", "/chat/completions", json=req) as r:
                 assert r.status_code == 200
