@@ -15,31 +15,12 @@
 #include <limits>
 
 #include "attention.h"
+#include "avx512_math.h"
 
 namespace pds_cpu {
 namespace {
 
 constexpr int kChunk = 16;  // keys per softmax update (one vector of scores)
-
-// e^x for x <= 0: x = n ln2 + r, a degree-6 polynomial for e^r, times 2^n by scalef (the AVX2
-// kernel's constants); below -87.3 (the -inf of masked keys included) the result is 0.
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.3f);
-  const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
-}
 
 // G query heads of head_dim 16 * D over one KV head; `probs` is scratch for G x 16 floats.
 template <int G, int D>
@@ -75,7 +56,7 @@ void decode_unit(const DecodeAttention& a, int64_t b, int64_t kvh, float* probs)
       const __m512 s = _mm512_mask_mul_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
                                           _mm512_loadu_ps(probs + g * kChunk), scale);
       const float m = std::max(run_max[g], _mm512_reduce_max_ps(s));
-      const __m512 p = exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m)));
+      const __m512 p = exp_nonpositive_avx512(_mm512_sub_ps(s, _mm512_set1_ps(m)));
       _mm512_storeu_ps(probs + g * kChunk, p);
       const float alpha = std::exp(run_max[g] - m);  // 0 on the first chunk (exp(-inf))
       run_sum[g] = run_sum[g] * alpha + _mm512_reduce_add_ps(p);

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include "attention.h"
+#include "avx512_math.h"
 #include "extend_attention_impl.h"
 
 namespace pds_cpu {
@@ -21,25 +22,7 @@ struct Avx512 {
   static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
   static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
   static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
-  // e^x for x <= 0, as avx2_math.h's exp_clamped_avx2 (x = n ln2 + r, degree-6 polynomial for
-  // e^r, times 2^n by scalef); below -87.3, -inf and NaN give 0
-  static reg exp_nonpositive(reg x) {
-    const reg lo = _mm512_set1_ps(-87.3f);
-    const __mmask16 keep = _mm512_cmp_ps_mask(x, lo, _CMP_GE_OQ);
-    x = _mm512_max_ps(x, lo);
-    const reg n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    reg r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    reg y = _mm512_set1_ps(1.9875691500e-4f);
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_maskz_mov_ps(keep, _mm512_scalef_ps(y, n));
-  }
+  static reg exp_nonpositive(reg x) { return exp_nonpositive_avx512(x); }  // avx512_math.h
 };
 
 }  // namespace
