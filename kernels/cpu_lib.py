@@ -34,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LIB_NAME = "libpdserve_cpu.so"
-ABI_VERSION = 11
+ABI_VERSION = 12
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-DNDEBUG")
 UNIT_FLAGS: dict[str, tuple[str, ...]] = {
@@ -165,7 +165,7 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
     lib.pds_cpu_decode_layers.argtypes = [_P, _I64, _P, _P, ctypes.c_float, _P, _P, _P, _P, _I64, _P,
                                           *[_I64] * 7, ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_qmatmul_packed.restype = _I
-    lib.pds_cpu_qmatmul_packed.argtypes = [_P, _I64, _I64, _P, _P, _I64, _P, _I]
+    lib.pds_cpu_qmatmul_packed.argtypes = [_I, _P, _I64, _I64, _P, _P, _I64, _P, _I]
     lib.pds_cpu_round_int16.restype = _I
     lib.pds_cpu_round_int16.argtypes = [_P, _I64, _I64, _P]
     if lib.pds_cpu_abi_version() != ABI_VERSION:
@@ -316,15 +316,15 @@ def int16_activations() -> bool:
     return os.environ.get("PDSERVE_INT16_ACTIVATIONS", "1") != "0" and packed_supported()
 
 
-def qmatmul_packed(x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, n: int, k: int,
+def qmatmul_packed(fmt: int, x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor, n: int, k: int,
                    threads: int | None = None) -> torch.Tensor:
-    """y[M, n] = round16(x)[M, k] @ dequant(W)^T for a Q4 matrix W packed by
-    `pdserve_kernels.quant.packed.pack_q4` (AVX-512 VNNI; activations rounded to int16 per block
-    of 32, as `round_int16`), any number of rows."""
+    """y[M, n] = round16(x)[M, k] @ dequant(W)^T for a matrix W of format code `fmt` (Q4_0, Q4_1,
+    Q8_0) packed by `pdserve_kernels.quant.packed.pack` (AVX-512 VNNI; activations rounded to
+    int16 per block of 32, as `round_int16`), any number of rows."""
     lib = _loaded()
     x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    status = lib.pds_cpu_qmatmul_packed(x.data_ptr(), x.shape[0], k, qs.data_ptr(), dm.data_ptr(), n,
+    status = lib.pds_cpu_qmatmul_packed(fmt, x.data_ptr(), x.shape[0], k, qs.data_ptr(), dm.data_ptr(), n,
                                         y.data_ptr(), threads or torch.get_num_threads())
     if status:
         raise RuntimeError(f"pds_cpu_qmatmul_packed: {'AVX-512 unavailable' if status == 1 else 'bad arguments'} "
@@ -358,7 +358,7 @@ def decode_attention_block(x: torch.Tensor, residual: torch.Tensor | None, norm_
     decode_block.cpp): `x += residual`, RMSNorm, qkv, RoPE, KV store, paged attention, o_proj into
     `out` [B, hidden]. The caller guarantees the layouts (`pdserve_kernels.decode_layer` checks
     them): contiguous fp32 x/residual/out/cos/sin/caches, uint8 weight blocks, int64 slots,
-    tables (rows contiguous) and lens. `*_packed`: (qs, dm) of `pack_q4` to multiply by instead
+    tables (rows contiguous) and lens. `*_packed`: (qs, dm) of `pack` to multiply by instead
     of the blocks (AVX-512), or None."""
     lib = _loaded()
     B, hidden = x.shape

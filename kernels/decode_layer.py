@@ -23,10 +23,10 @@ import torch
 from . import cpu_lib
 from .attention import paged_attention, store_kv
 from .norm import rms_norm
-from .quant import BlockFormat, PackedQ4, qmatmul_torch, round_activations_int16
+from .quant import BlockFormat, Packed, qmatmul_torch, round_activations_int16
 
 
-def _project(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, packed: PackedQ4 | None) -> torch.Tensor:
+def _project(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, packed: Packed | None) -> torch.Tensor:
     """A projection's reference: a packed weight multiplies int16-rounded activations."""
     return qmatmul_torch(x if packed is None else round_activations_int16(x), raw, fmt)
 
@@ -43,8 +43,8 @@ def decode_attention_block(x: torch.Tensor, residual: torch.Tensor | None, norm_
                            qkv_w: torch.Tensor, qkv_fmt: BlockFormat, o_w: torch.Tensor, o_fmt: BlockFormat,
                            cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, heads: int,
-                           kv_heads: int, scale: float, qkv_packed: PackedQ4 | None = None,
-                           o_packed: PackedQ4 | None = None) -> torch.Tensor:
+                           kv_heads: int, scale: float, qkv_packed: Packed | None = None,
+                           o_packed: Packed | None = None) -> torch.Tensor:
     """The reference: x `[B, hidden]`, cos/sin `[B, head_dim/2]`, int64 slots/tables/lens;
     a projection given `*_packed` (the weight repacked for the native int16 path) multiplies
     activations rounded to int16 per block, as the native path does."""
@@ -59,7 +59,7 @@ def decode_attention_block(x: torch.Tensor, residual: torch.Tensor | None, norm_
 
 def decode_mlp_block(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
                      gu_w: torch.Tensor, gu_fmt: BlockFormat, down_w: torch.Tensor, down_fmt: BlockFormat,
-                     gu_packed: PackedQ4 | None = None, down_packed: PackedQ4 | None = None) -> torch.Tensor:
+                     gu_packed: Packed | None = None, down_packed: Packed | None = None) -> torch.Tensor:
     """The reference: gate rows first in `gu_w`, then up rows (`*_packed` as above)."""
     h = rms_norm(x, residual, norm_w, eps)
     gate, up = _project(h, gu_w, gu_fmt, gu_packed).chunk(2, dim=-1)
@@ -76,7 +76,7 @@ def decode_attention_block_cpu(x: torch.Tensor, residual: torch.Tensor | None, n
                                o_fmt: BlockFormat, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                                v_cache: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                                lens: torch.Tensor, heads: int, kv_heads: int, scale: float,
-                               qkv_packed: PackedQ4 | None = None, o_packed: PackedQ4 | None = None
+                               qkv_packed: Packed | None = None, o_packed: Packed | None = None
                                ) -> torch.Tensor:
     """One native call (same arguments and result as the reference; packed weights, when given,
     multiply every row, so that a row's result never depends on the batch's size); other
@@ -97,7 +97,7 @@ def decode_attention_block_cpu(x: torch.Tensor, residual: torch.Tensor | None, n
 
 def decode_mlp_block_cpu(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
                          gu_w: torch.Tensor, gu_fmt: BlockFormat, down_w: torch.Tensor, down_fmt: BlockFormat,
-                         gu_packed: PackedQ4 | None = None, down_packed: PackedQ4 | None = None) -> torch.Tensor:
+                         gu_packed: Packed | None = None, down_packed: Packed | None = None) -> torch.Tensor:
     """One native call (same arguments and result as the reference); other layouts run it."""
     if not (_fp32_rows(x, residual, norm_w) and gu_w.dtype == down_w.dtype == torch.uint8
             and gu_w.is_contiguous() and down_w.is_contiguous()):
@@ -118,7 +118,7 @@ class StackLayer:
     mlp_norm: torch.Tensor
     weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
     fmts: tuple[BlockFormat, BlockFormat, BlockFormat, BlockFormat]
-    packed: tuple[PackedQ4 | None, PackedQ4 | None, PackedQ4 | None, PackedQ4 | None]
+    packed: tuple[Packed | None, Packed | None, Packed | None, Packed | None]
     k_cache: torch.Tensor
     v_cache: torch.Tensor
 

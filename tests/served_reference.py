@@ -1,9 +1,9 @@
 """transformers as the reference of the model `pdserve serve` runs by default on this CPU.
 
-On an AVX-512 CPU the default model's Q4 layers multiply activations rounded to int16 per
-block of 32 (docs/cpu-kernels.md). The reference applies that rounding, with the library's
-torch reference of it, to the input of the same linear layers of transformers' model on the same
-weights, so tests that compare the served model with transformers keep a tight bound instead of
+On an AVX-512 CPU the default model's Q4 layers and its Q8_0 LM head multiply activations
+rounded to int16 per block of 32 (docs/cpu-kernels.md). The reference applies that rounding, with
+the library's torch reference of it, to the input of the same linear layers of transformers' model
+on the same weights, so tests that compare the served model with transformers keep a tight bound instead of
 widening it by the rounding. Elsewhere (AVX2, `PDSERVE_INT16_ACTIVATIONS=0`) nothing changes.
 """
 from __future__ import annotations
@@ -16,18 +16,18 @@ import transformers
 from pdserve_kernels import cpu_lib
 from pdserve_kernels.quant import round_activations_int16
 
-# transformers' names of the projections the default model holds in Q4 blocks (its embedding and
-# tied LM head are Q8_0 and multiply fp32 activations)
-Q4_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# transformers' names of the linear layers the default model multiplies with int16 activations:
+# the projections it holds in Q4 blocks and its LM head (tied to the Q8_0 embedding)
+ROUNDED_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 
 
 def served_reference(model: torch.nn.Module) -> torch.nn.Module:
     """`model` (a transformers Llama on the default model's weights) with the served arithmetic:
-    int16-rounded inputs to its Q4 projections when the server rounds them here."""
+    int16-rounded inputs to its Q4 projections and LM head when the server rounds them here."""
     if not cpu_lib.int16_activations():
         return model
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in Q4_PROJECTIONS:
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in ROUNDED_LINEARS:
             module.register_forward_pre_hook(lambda _m, args: (round_activations_int16(args[0]),))
     return model
 

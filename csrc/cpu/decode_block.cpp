@@ -37,7 +37,7 @@ thread_local std::vector<float> t_norm, t_mid, t_act;
 void project(const Kernels* k, int fmt, const uint8_t* w, const uint8_t* qs, const float* dm,
              const float* x, int64_t M, int64_t K, int64_t N, float* y, int threads) {
   if (qs != nullptr) {
-    qmatmul_int16(PackedQ4{qs, dm, K / QK}, x, M, K, N, y, threads);
+    qmatmul_int16(Packed{qs, dm, K / QK, false}, x, M, K, N, y, threads);
   } else {
     qmatmul_f32(k, fmt, x, M, K, w, N, y, threads);
   }

@@ -77,7 +77,7 @@ constexpr int64_t kPackedRowsPerUnit = 64;
 
 }  // namespace
 
-void qmatmul_int16(const PackedQ4& w, const float* x, int64_t M, int64_t K, int64_t N, float* y, int threads) {
+void qmatmul_int16(const Packed& w, const float* x, int64_t M, int64_t K, int64_t N, float* y, int threads) {
   thread_local std::vector<int16_t> act;
   thread_local std::vector<float> scales;
   const int64_t nb = K / QK;
@@ -102,7 +102,7 @@ using namespace pds_cpu;
 
 extern "C" {
 
-__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 11; }
+__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 12; }
 
 // The instruction set `isa` (0 auto) resolves to on this CPU: 1 AVX2, 2 AVX-512 VNNI, 0 none.
 __attribute__((visibility("default"))) int pds_cpu_isa(int isa) {
@@ -148,16 +148,16 @@ __attribute__((visibility("default"))) int pds_cpu_qmatmul(int fmt, const float*
 }
 
 // y[M][N] = x'[M][K] . dequant(W)^T for x' the rows rounded to int16 per block of 32 and W a
-// Q4_0/Q4_1 matrix packed for the int16 path (qgemv_packed.h: qs [P][K/32][256], dm
-// [P][K/32][32], P = ceil(N / 16)). AVX-512 VNNI only. Returns 0, 1 when AVX-512 is unavailable,
-// 2 for bad arguments.
-__attribute__((visibility("default"))) int pds_cpu_qmatmul_packed(const float* x, int64_t M, int64_t K,
+// `fmt` matrix packed for the int16 path (qgemv_packed.h: Q4_0/Q4_1 qs [P][K/32][256], dm
+// [P][K/32][32]; Q8_0 qs [P][K/32][512], dm [P][K/32][16]; P = ceil(N / 16)). AVX-512 VNNI only.
+// Returns 0, 1 when AVX-512 is unavailable, 2 for bad arguments.
+__attribute__((visibility("default"))) int pds_cpu_qmatmul_packed(int fmt, const float* x, int64_t M, int64_t K,
                                                                   const uint8_t* qs, const float* dm,
                                                                   int64_t N, float* y, int threads) {
   if (pick(ISA_AVX512) == nullptr) return 1;
-  if (qs == nullptr || dm == nullptr || M < 0 || N < 0 || K <= 0 || K % QK) return 2;
+  if (fmt < Q4_0 || fmt > Q8_0 || qs == nullptr || dm == nullptr || M < 0 || N < 0 || K <= 0 || K % QK) return 2;
   if (M == 0 || N == 0) return 0;
-  qmatmul_int16(PackedQ4{qs, dm, K / QK}, x, M, K, N, y, threads);
+  qmatmul_int16(Packed{qs, dm, K / QK, fmt == Q8_0}, x, M, K, N, y, threads);
   return 0;
 }
 

@@ -19,7 +19,7 @@ void qmatmul_f32(const Kernels* k, int fmt, const float* x, int64_t M, int64_t K
 // y[M][N] = x'[M][K] . dequant(W)^T for x' the rows rounded to int16 per block of 32
 // (qgemv_packed.h) and W packed for that path; N and blocks of rows split over the caller and
 // `threads - 1` helpers. Only after pick(ISA_AVX512) succeeded.
-void qmatmul_int16(const PackedQ4& w, const float* x, int64_t M, int64_t K, int64_t N, float* y, int threads);
+void qmatmul_int16(const Packed& w, const float* x, int64_t M, int64_t K, int64_t N, float* y, int threads);
 
 
 }  // namespace pds_cpu

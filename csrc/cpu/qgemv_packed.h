@@ -19,9 +19,15 @@
 //   dm[(p * nb + b) * 32 + i] = d of row 16p + i in block b, dm[... + 16 + i] = its m (Q4_1: the
 //     minimum; Q4_0: -8 d), fp32, so w = d q + m.
 //
+// Q8_0 (the LM head: its 8-bit weights, one scale a block) packs the same way with whole bytes:
+//   qs[((p * nb + b) * 16 + c) * 32 + j], chunk c < 16, byte j: weight 2c + j % 2 of row 16p + j/2
+//     (int8), so one sign-extended chunk holds per int32 lane the pair 2c, 2c+1 of one row;
+//   dm[(p * nb + b) * 16 + i] = d of row 16p + i in block b (no offsets).
+//
 // Every output is sum_b (d_b da_b) * S_b + m_b xs_b in block order, S_b the block's exact integer
-// sum (|S_b| <= 32 * 15 * 32767 < 2^24, so its fp32 conversion is exact too): the arithmetic of an
-// output does not depend on how many rows share the call or how threads split it.
+// sum (Q4: |S_b| <= 32 * 15 * 32767 < 2^24, so its fp32 conversion is exact too; Q8_0's converts
+// with fp32 rounding): the arithmetic of an output does not depend on how many rows share the
+// call or how threads split it.
 #pragma once
 #include <cstdint>
 
@@ -29,10 +35,11 @@ namespace pds_cpu {
 
 constexpr int kPanelRows = 16;  // weight rows per packed panel
 
-struct PackedQ4 {
-  const uint8_t* qs;  // [P][nb][256]
-  const float* dm;    // [P][nb][32]
+struct Packed {
+  const uint8_t* qs;  // [P][nb][256] (Q4), [P][nb][512] (Q8_0)
+  const float* dm;    // [P][nb][32] (Q4), [P][nb][16] (Q8_0)
   int64_t nb;         // blocks per row
+  bool q8;            // Q8_0 (else Q4_0 / Q4_1)
 };
 
 // Activation rows prepared for the packed product: a [M][K] int16 (a block's values scaled by
@@ -42,7 +49,7 @@ void packed_prepare_avx512(const float* x, int64_t M, int64_t K, int16_t* a, flo
 
 // y[m][n] for rows m in [m0, m1), n in the panels [p0, p1) (n < N), row stride ldy; a, da, xs as
 // prepared above.
-void packed_gemm_avx512(const PackedQ4& w, const int16_t* a, const float* da, const float* xs, int64_t m0,
+void packed_gemm_avx512(const Packed& w, const int16_t* a, const float* da, const float* xs, int64_t m0,
                         int64_t m1, int64_t N, float* y, int64_t ldy, int64_t p0, int64_t p1);
 
 }  // namespace pds_cpu

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "qgemv_packed.h"
 
@@ -64,15 +65,17 @@ void panel_tile(const uint8_t* qs, const float* dm, int64_t nb, const int16_t* a
     for (int h = 0; h < CH; ++h)
       for (int r = 0; r < MR; ++r) lo[h][r] = hi[h][r] = _mm512_setzero_si512();
     const uint8_t* qb = qs + b * 256;
-    for (int c = 0; c < 8; ++c) {
-      const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 32)));
-      const __m512i w0 = _mm512_and_si512(bytes, low);  // weights 4c, 4c+1 of each row
-      const __m512i w1 = _mm512_srli_epi16(bytes, 4);   // weights 4c+2, 4c+3
-      const int h = c % CH;
-      for (int r = 0; r < MR; ++r) {
-        const int16_t* ar = a + r * astride + b * 32 + 4 * c;
-        lo[h][r] = _mm512_dpwssd_epi32(lo[h][r], w0, pair(ar));
-        hi[h][r] = _mm512_dpwssd_epi32(hi[h][r], w1, pair(ar + 2));
+    for (int c0 = 0; c0 < 8; c0 += CH) {  // chain h takes chunks c0 + h (constant indices: registers)
+      for (int h = 0; h < CH; ++h) {
+        const int c = c0 + h;
+        const __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 32)));
+        const __m512i w0 = _mm512_and_si512(bytes, low);  // weights 4c, 4c+1 of each row
+        const __m512i w1 = _mm512_srli_epi16(bytes, 4);   // weights 4c+2, 4c+3
+        for (int r = 0; r < MR; ++r) {
+          const int16_t* ar = a + r * astride + b * 32 + 4 * c;
+          lo[h][r] = _mm512_dpwssd_epi32(lo[h][r], w0, pair(ar));
+          hi[h][r] = _mm512_dpwssd_epi32(hi[h][r], w1, pair(ar + 2));
+        }
       }
     }
     const __m512 d = _mm512_loadu_ps(dm + b * 32), m = _mm512_loadu_ps(dm + b * 32 + 16);
@@ -86,31 +89,75 @@ void panel_tile(const uint8_t* qs, const float* dm, int64_t nb, const int16_t* a
   for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy, cols, acc[r]);
 }
 
+// The same for a Q8_0 panel: per block 16 chunks of 32 int8 weights, each sign-extended into one
+// vpdpwssd operand (a pair of weights of one row per lane), and one scale d per row (no offsets,
+// so `xs` is not read). Two int32 chains a row, four for one or two rows.
+template <int MR>
+void q8_panel_tile(const uint8_t* qs, const float* dq, int64_t nb, const int16_t* a, const float* da,
+                   float* y, int64_t ldy, __mmask16 cols) {
+  constexpr int CH = MR <= 2 ? 4 : 2;
+  const int64_t astride = nb * 32;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m512i s[CH][MR];
+    for (int h = 0; h < CH; ++h)
+      for (int r = 0; r < MR; ++r) s[h][r] = _mm512_setzero_si512();
+    const uint8_t* qb = qs + b * 512;
+    for (int c0 = 0; c0 < 16; c0 += CH) {  // chain h takes chunks c0 + h (constant indices: s stays in registers)
+      for (int h = 0; h < CH; ++h) {
+        const int c = c0 + h;
+        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb + c * 32)));
+        for (int r = 0; r < MR; ++r) s[h][r] = _mm512_dpwssd_epi32(s[h][r], w, pair(a + r * astride + b * 32 + 2 * c));
+      }
+    }
+    const __m512 d = _mm512_loadu_ps(dq + b * 16);
+    for (int r = 0; r < MR; ++r) {
+      __m512i t = s[0][r];
+      for (int h = 1; h < CH; ++h) t = _mm512_add_epi32(t, s[h][r]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), _mm512_mul_ps(d, _mm512_set1_ps(da[r * nb + b])), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(y + r * ldy, cols, acc[r]);
+}
+
 constexpr int kTileRows = 4;
+
+// Rows [m0, m1) of one panel, in tiles of kTileRows and a tail.
+template <bool Q8>
+void panel_rows(const Packed& w, int64_t p, const int16_t* a, const float* da, const float* xs, int64_t m0,
+                int64_t m1, float* y, int64_t ldy, __mmask16 cols) {
+  const int64_t nb = w.nb, stride = nb * 32;
+  const uint8_t* qs = w.qs + p * nb * (Q8 ? 512 : 256);
+  const float* dm = w.dm + p * nb * (Q8 ? 16 : 32);
+  auto tile = [&](auto rows, int64_t r) {
+    constexpr int R = decltype(rows)::value;
+    if constexpr (Q8)
+      q8_panel_tile<R>(qs, dm, nb, a + r * stride, da + r * nb, y + r * ldy, ldy, cols);
+    else
+      panel_tile<R>(qs, dm, nb, a + r * stride, da + r * nb, xs + r * nb, y + r * ldy, ldy, cols);
+  };
+  int64_t r = m0;
+  for (; r + kTileRows <= m1; r += kTileRows) tile(std::integral_constant<int, kTileRows>{}, r);
+  switch (m1 - r) {
+    case 3: tile(std::integral_constant<int, 3>{}, r); break;
+    case 2: tile(std::integral_constant<int, 2>{}, r); break;
+    case 1: tile(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
 
 }  // namespace
 
-void packed_gemm_avx512(const PackedQ4& w, const int16_t* a, const float* da, const float* xs, int64_t m0,
+void packed_gemm_avx512(const Packed& w, const int16_t* a, const float* da, const float* xs, int64_t m0,
                         int64_t m1, int64_t N, float* y, int64_t ldy, int64_t p0, int64_t p1) {
-  const int64_t nb = w.nb, stride = nb * 32;
   for (int64_t p = p0; p < p1; ++p) {
-    const uint8_t* qs = w.qs + p * nb * 256;
-    const float* dm = w.dm + p * nb * 32;
     const int64_t n = p * kPanelRows;
     const __mmask16 cols = static_cast<__mmask16>(N - n >= kPanelRows ? 0xFFFF : (1u << (N - n)) - 1);
-    int64_t r = m0;
-    for (; r + kTileRows <= m1; r += kTileRows)
-      panel_tile<kTileRows>(qs, dm, nb, a + r * stride, da + r * nb, xs + r * nb, y + r * ldy + n, ldy, cols);
-    const int16_t* ar = a + r * stride;
-    const float* dr = da + r * nb;
-    const float* xr = xs + r * nb;
-    float* yr = y + r * ldy + n;
-    switch (m1 - r) {
-      case 3: panel_tile<3>(qs, dm, nb, ar, dr, xr, yr, ldy, cols); break;
-      case 2: panel_tile<2>(qs, dm, nb, ar, dr, xr, yr, ldy, cols); break;
-      case 1: panel_tile<1>(qs, dm, nb, ar, dr, xr, yr, ldy, cols); break;
-      default: break;
-    }
+    if (w.q8)
+      panel_rows<true>(w, p, a, da, xs, m0, m1, y + n, ldy, cols);
+    else
+      panel_rows<false>(w, p, a, da, xs, m0, m1, y + n, ldy, cols);
   }
 }
 

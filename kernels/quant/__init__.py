@@ -12,12 +12,12 @@ import torch
 
 from .. import cpu_lib
 from .formats import BLOCK, FORMATS, Q4_0, Q4_1, Q8_0, BlockFormat, block_format
-from .packed import PackedQ4, pack_q4, packable
+from .packed import Packed, pack, pack_q4, packable
 from .reference import (dequantize, qmatmul_emulated, qmatmul_torch, quantize,
                         quantize_activations, round_activations_int16)
 
-__all__ = ["BLOCK", "FORMATS", "Q4_0", "Q4_1", "Q8_0", "BlockFormat", "PackedQ4",
-           "block_format", "dequantize", "native_available", "pack_q4", "packable", "qmatmul",
+__all__ = ["BLOCK", "FORMATS", "Q4_0", "Q4_1", "Q8_0", "BlockFormat", "Packed",
+           "block_format", "dequantize", "native_available", "pack", "pack_q4", "packable", "qmatmul",
            "qmatmul_emulated", "qmatmul_native", "qmatmul_packed_cpu", "qmatmul_packed_reference",
            "qmatmul_torch", "quantize", "quantize_activations", "round_activations_int16"]
 
@@ -52,19 +52,19 @@ def qmatmul_native(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, isa: st
     return cpu_lib.qmatmul(fmt.code, x, raw, n, k, isa, threads, "f32" if path == "auto" else path)
 
 
-def qmatmul_packed_reference(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, packed: PackedQ4
+def qmatmul_packed_reference(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, packed: Packed
                              ) -> torch.Tensor:
     """`qmatmul_packed`'s reference: activations rounded to int16 per block of 32, then the
     blocks' reference (`packed`, which changes nothing but speed, unused)."""
     return qmatmul(round_activations_int16(x), raw, fmt, force="torch")
 
 
-def qmatmul_packed_cpu(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, packed: PackedQ4
+def qmatmul_packed_cpu(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, packed: Packed
                        ) -> torch.Tensor:
     """y = round16(x) W^T, any leading dims, in x's dtype (AVX-512 VNNI): the packed int16 kernel
     for every row count (`raw` unused: the packed copy holds the same weights)."""
     lead, k = x.shape[:-1], x.shape[-1]
-    y = cpu_lib.qmatmul_packed(x.reshape(-1, k).to(torch.float32), packed.qs, packed.dm, raw.shape[0], k)
+    y = cpu_lib.qmatmul_packed(fmt.code, x.reshape(-1, k).to(torch.float32), packed.qs, packed.dm, raw.shape[0], k)
     return y.reshape(*lead, raw.shape[0]).to(x.dtype)
 
 

@@ -6,7 +6,9 @@ one all_gather assembles them. With tied weights the head is a view of the embed
 
 With a block-quantized checkpoint (`use_blocks`) the weight is uint8 rows of GGUF blocks: the
 lookup dequantizes only the rows it gathers, and the head multiplies the blocks directly
-(`pdserve_kernels.qmatmul`), so neither ever holds the fp32 matrix.
+(`pdserve_kernels.qmatmul`), so neither ever holds the fp32 matrix. A Q8_0 head on a CPU with
+the int16-activation kernel (AVX-512 VNNI) also keeps a packed copy and multiplies through it
+(`finish`).
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ from torch import nn
 
 import pdserve_kernels as ops
 from pdserve.distributed import TPGroup
-from pdserve_kernels.quant import BlockFormat, dequantize, quantize
+from pdserve_kernels import cpu_lib
+from pdserve_kernels.quant import Q8_0, BlockFormat, Packed, dequantize, pack, quantize
 
 
 class Embedding(nn.Module):
@@ -62,19 +65,35 @@ class LMHead(nn.Module):
         else:
             self.tied_to = []
             self.weight = nn.Parameter(torch.empty(self.stop - self.start, dim), requires_grad=False)
+        self.packed: Packed | None = None  # set by finish
 
     def use_blocks(self, fmt: BlockFormat, on_load: bool) -> None:
         """An untied head stored as `fmt` blocks (a tied one follows its embedding)."""
         self.weight = _blocks_param(self.weight, fmt)
         self.fmt, self.on_load = fmt, on_load
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def _weight(self) -> tuple[torch.Tensor, BlockFormat | None]:
         if self.tied_to:
             table = self.tied_to[0]
-            weight, fmt = table.weight[self.start:self.stop], table.fmt
+            return table.weight[self.start:self.stop], table.fmt
+        return self.weight, self.fmt
+
+    def finish(self) -> None:
+        """Once loaded: a Q8_0 head on a CPU where the Q4 layers take int16 activations
+        (`cpu_lib.int16_activations`) keeps a packed copy (≈ the blocks' size again) and
+        multiplies activations rounded to int16 per block of 32 through the same kernel: ≈ 2× the
+        fp32 path's speed at any row count, and a row's logits are the same bits in any batch."""
+        weight, fmt = self._weight()
+        if fmt is Q8_0 and weight.device.type == "cpu" and ops.is_native(ops.qmatmul_packed) \
+                and cpu_lib.int16_activations():
+            self.packed = pack(weight.data, fmt)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight, fmt = self._weight()
+        if self.packed is not None:
+            logits = ops.qmatmul_packed(hidden, weight, fmt, self.packed)
         else:
-            weight, fmt = self.weight, self.fmt
-        logits = F.linear(hidden, weight) if fmt is None else ops.qmatmul(hidden, weight, fmt)
+            logits = F.linear(hidden, weight) if fmt is None else ops.qmatmul(hidden, weight, fmt)
         if self.tp.size > 1:
             logits = self.tp.all_gather(logits, dim=-1)[..., :self.vocab_size]
         return logits
@@ -97,6 +116,13 @@ def use_block_formats(model: nn.Module, quant: object) -> None:
             spec = format_of(f"{name}.weight")
             if spec is not None:
                 module.use_blocks(*spec)
+
+
+def finish_heads(model: nn.Module) -> None:
+    """Once `model` is loaded: each LM head's `finish` (the packed copy of a Q8_0 head)."""
+    for module in model.modules():
+        if isinstance(module, LMHead):
+            module.finish()
 
 
 def _blocks_param(weight: nn.Parameter, fmt: BlockFormat) -> nn.Parameter:

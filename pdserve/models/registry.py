@@ -60,7 +60,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
     says how its layers compute (pdserve.layers.quant.nvfp4). `quantization` (none | auto | gguf |
     int8 | int4) keeps a converted GGUF's blocks or quantizes on load (pdserve.weights.quantization).
     """
-    from pdserve.layers.embedding import use_block_formats
+    from pdserve.layers.embedding import finish_heads, use_block_formats
     from pdserve.layers.quant import finish_loading
     from pdserve.weights import WeightSource
     from pdserve.weights.quantization import select
@@ -76,11 +76,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
     if getattr(model, "has_weights", True):
         model.load_weights(WeightSource(weights_dir))
     finish_loading(model, dtype)
+    finish_heads(model)
     model.eval()
     packed = sum(getattr(m, "packed", None) is not None for m in model.modules())
     logger.info("loaded %s from %s (%s, %s, tp %d/%d%s%s)", cls.__name__, model_dir, dtype, device,
                 tp.rank, tp.size, f", {quant.quant_algo} from {quant.source}" if quant else "",
-                f", int16 activations in {packed} Q4 layers" if packed else "")
+                f", int16 activations in {packed} layers" if packed else "")
     return model
 
 

@@ -97,6 +97,44 @@ def test_embedding_dequantizes_only_the_rows_it_looks_up_and_tied_head_multiplie
     assert torch.allclose(head(hidden), qmatmul_torch(hidden, emb.weight, fmt), atol=1e-4)
 
 
+@pytest.fixture
+def native_ops():
+    """The op API bound as a worker on this CPU binds it (--kernels auto), then put back."""
+    import pdserve_kernels as ops
+    from pdserve_kernels import dispatch
+
+    saved = {name: op.impl for name, op in dispatch.OPS.items()}, dispatch._current
+    ops.configure("cpu", torch.float32, "auto")
+    yield
+    for name, op in dispatch.OPS.items():
+        op.impl = saved[0][name]
+    dispatch._current = saved[1]
+
+
+@pytest.mark.parametrize("int16", ["1", "0"])
+def test_a_q8_head_multiplies_int16_activations_where_the_q4_layers_do(monkeypatch, native_ops, int16):
+    """On AVX-512 (unless $PDSERVE_INT16_ACTIVATIONS=0) a loaded Q8_0 head packs its blocks and
+    multiplies int16-rounded activations (the packed kernel's
+    reference: rounding, then the blocks' product; bound as in tests/kernels); elsewhere it keeps
+    the fp32 path."""
+    from pdserve_kernels import cpu_lib
+    from pdserve_kernels.quant import qmatmul_packed_reference
+
+    monkeypatch.setenv("PDSERVE_INT16_ACTIVATIONS", int16)
+    head = LMHead(35, 96)
+    head.use_blocks(Q8_0, on_load=False)
+    head.weight.data.copy_(quantize(torch.randn(35, 96), Q8_0))
+    head.finish()
+    hidden = torch.randn(5, 96)
+    if int16 == "1" and cpu_lib.int16_activations():
+        assert head.packed is not None
+        expected = qmatmul_packed_reference(hidden, head.weight, Q8_0, head.packed)
+        assert ((head(hidden) - expected).abs() <= 1e-5 * (hidden.abs() @ dequantize(head.weight, Q8_0).abs().T)).all()
+    else:
+        assert head.packed is None
+        assert torch.allclose(head(hidden), qmatmul_torch(hidden, head.weight, Q8_0), atol=1e-4)
+
+
 def test_untied_head_quantized_on_load_reads_its_vocab_slice(tmp_path):
     head_w = torch.randn(50, 64)
     save_safetensors_dir({"lm_head.weight": head_w}, tmp_path)
