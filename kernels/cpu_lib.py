@@ -309,10 +309,10 @@ def packed_supported() -> bool:
 
 
 def int16_activations() -> bool:
-    """Whether Q4 layers run with activations rounded to int16 per block of 32: where
-    `packed_supported()`, unless $PDSERVE_INT16_ACTIVATIONS=0. Then every row of every Q4 matmul
-    (prefill, decode, mixed steps alike) multiplies the same rounded activations through the
-    packed int16 kernel (docs/cpu-kernels.md)."""
+    """Whether Q4 layers and a Q8_0 LM head run with activations rounded to int16 per block of
+    32: where `packed_supported()`, unless $PDSERVE_INT16_ACTIVATIONS=0. Then every row of every
+    such matmul (prefill, decode, mixed steps alike) multiplies the same rounded activations
+    through the packed int16 kernel (docs/cpu-kernels.md)."""
     return os.environ.get("PDSERVE_INT16_ACTIVATIONS", "1") != "0" and packed_supported()
 
 
