@@ -243,10 +243,11 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 def plan_threads(args: argparse.Namespace) -> None:
-    """Divide the cores between the workers' processes unless --threads says how many (logged)."""
+    """Threads per worker process (engine/threads.py) unless --threads says how many (logged)."""
     from pdserve.engine.threads import serve_threads
 
-    plan = serve_threads(args.mode, args.tp or 1, workers=sum(worker_counts(args).values()))
+    plan = serve_threads(args.mode, args.tp or 1, workers=sum(worker_counts(args).values()),
+                         native=getattr(args, "kernels", None) != "torch")
     if getattr(args, "threads", None) is None:
         args.threads = plan.per_process
         log = logger.warning if plan.oversubscribed else logger.info
@@ -575,7 +576,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "docs/step-budget.md)")
     e.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per worker process (default: this machine's cores divided "
-                        "between the workers' processes, at least 1 each)")
+                        "between the workers' processes, at least 1 each; PD's two workers on the native "
+                        "kernels each get every core: docs/cpu-threads.md)")
     e.add_argument("--index-cache-dtype", default=None, choices=["bfloat16", "fp8", "float32"],
                    help="DSA index keys in the KV cache (DeepSeek-V3.2/GLM-5; default bfloat16)")
     e.add_argument("--kernels", default=None, choices=["auto", "torch", "native"],

@@ -1,11 +1,20 @@
-"""How many CPU threads each process of a worker runs: the cores, shared, never oversubscribed.
+"""How many CPU threads each process of a worker runs.
 
-torch's CPU kernels run OpenMP teams that spin while they wait for each other. When two teams
-share a core, each waits for a member the OS descheduled, and a step gets many times slower
-(≈15× measured on 2 cores) — so the threads of every process on the machine add up to at most
-its cores. A worker alone uses them all (split between its TP ranks); `pdserve serve` divides
-them between its workers; an explicit `--threads` wins. A library user (`LLM(...)`, tests) who
-gives no count keeps torch's process-wide setting.
+torch's CPU kernels run OpenMP teams that spin while they wait for each other. When two busy
+teams share a core, each waits for a member the OS descheduled, and a step gets many times
+slower (≈15× measured on 2 cores) — so by default the threads of pdserve's processes on a machine
+add up to at most its cores: a worker alone uses them all (split between its TP ranks),
+`pdserve serve` divides them between its workers, an explicit `--threads` wins. A library user
+(`LLM(...)`, tests) who gives no count keeps torch's process-wide setting.
+
+One exception, measured: `pdserve serve --mode pd` with its one prefill and one decode worker on
+the native CPU kernels gives each worker every core. Those kernels run on a pool whose helpers
+spin only microseconds before yielding and then sleeping, so two workers that compute at once take
+turns on the cores instead of stalling, and most of the time only one of them computes (prompts
+come in bursts; the decode worker idles between streams). On 2 cores that was 1.2–1.4× the
+throughput of one core each, a lower ITL p99, and no loss with long prompts computed beside
+32 decodes (docs/cpu-threads.md has the figures). With `--kernels torch` (OpenMP teams
+everywhere) the split stays.
 """
 from __future__ import annotations
 
@@ -31,13 +40,17 @@ class ThreadPlan:
     cores: int
     processes: int
     per_process: int
+    shared: bool = False  # PD's prefill and decode worker each get every core and take turns
 
     @property
     def oversubscribed(self) -> bool:
-        """More processes than cores: even one thread each exceeds the cores."""
-        return self.per_process * self.processes > self.cores
+        """More threads than cores where that was not planned: more processes than cores."""
+        return not self.shared and self.per_process * self.processes > self.cores
 
     def describe(self) -> str:
+        if self.shared:
+            return (f"{self.per_process} thread(s) per process × {self.processes} process(es), the prefill "
+                    f"and the decode worker sharing {self.cores} core(s)")
         used = self.per_process * self.processes
         more = " (more processes than cores: they will slow each other down)" if self.oversubscribed else ""
         return (f"{self.per_process} thread(s) per process × {self.processes} process(es) "
@@ -52,15 +65,20 @@ def split_threads(cores: int, processes: int) -> ThreadPlan:
     return ThreadPlan(cores, processes, max(1, cores // processes))
 
 
-def serve_threads(mode: str, tp: int, cores: int | None = None, workers: int | None = None) -> ThreadPlan:
-    """`pdserve serve`: the processes of its workers share this machine's cores. PD runs a
-    prefill and a decode worker by default (on 2 cores: one thread each; both run during a
-    request's handover, and decode streams while prefill serves the next prompt); colocated runs
-    one. `workers`: how many it starts when told (--prefill-workers, --decode-workers,
-    --workers); the cores are split evenly between all of them. Each worker runs `tp` rank
+def serve_threads(mode: str, tp: int, cores: int | None = None, workers: int | None = None,
+                  native: bool = True) -> ThreadPlan:
+    """`pdserve serve`: the processes of its workers on this machine's cores. PD runs a prefill
+    and a decode worker by default; with the native kernels (`native`) each gets every core (÷
+    its TP ranks; see the module's docstring), else they split them. Colocated runs one worker.
+    `workers`: how many it starts when told (--prefill-workers, --decode-workers, --workers);
+    more than PD's two split the cores evenly between all of them. Each worker runs `tp` rank
     processes."""
+    cores = cores or cpu_cores()
     workers = workers or (2 if mode == "pd" else 1)
-    return split_threads(cores or cpu_cores(), workers * max(1, tp))
+    if mode == "pd" and workers == 2 and native:
+        alone = split_threads(cores, max(1, tp))
+        return ThreadPlan(cores, 2 * alone.processes, alone.per_process, shared=True)
+    return split_threads(cores, workers * max(1, tp))
 
 
 def default_threads(local_ranks: int = 1) -> int:

@@ -1,4 +1,5 @@
-"""Threads per process: the cores are divided, never oversubscribed; --threads overrides."""
+"""Threads per process: the cores are divided, never oversubscribed, except that PD's prefill and
+decode worker on the native kernels each get every core; --threads overrides."""
 from __future__ import annotations
 
 import argparse
@@ -17,16 +18,23 @@ def test_a_worker_alone_uses_every_core_split_between_its_ranks():
 
 
 def test_serve_divides_the_cores_between_its_workers():
-    assert serve_threads("pd", tp=1, cores=2).per_process == 1        # prefill 1 + decode 1
     assert serve_threads("colocated", tp=1, cores=2).per_process == 2
-    assert serve_threads("pd", tp=1, cores=16).per_process == 8
-    assert serve_threads("pd", tp=2, cores=16).per_process == 4       # 4 rank processes
     assert serve_threads("colocated", tp=2, cores=2).per_process == 1
+    assert serve_threads("pd", tp=1, cores=2, native=False).per_process == 1   # torch: prefill 1 + decode 1
+    assert serve_threads("pd", tp=2, cores=16, native=False).per_process == 4  # 4 rank processes
+
+
+def test_pd_workers_on_the_native_kernels_each_get_every_core():
+    shared = serve_threads("pd", tp=1, cores=2)
+    assert (shared.per_process, shared.processes, shared.shared) == (2, 2, True)
+    assert not shared.oversubscribed and "sharing 2 core(s)" in shared.describe()
+    assert serve_threads("pd", tp=1, cores=16).per_process == 16
+    assert serve_threads("pd", tp=2, cores=16).per_process == 8   # each worker's 2 ranks split them
 
 
 def test_more_processes_than_cores_get_one_thread_each():
-    plan = serve_threads("pd", tp=2, cores=2)
-    assert plan.per_process == 1 and plan.processes == 4
+    plan = serve_threads("pd", tp=2, cores=2, native=False)
+    assert plan.per_process == 1 and plan.processes == 4 and plan.oversubscribed
 
 
 def test_apply_threads_sets_torch():
@@ -61,7 +69,10 @@ def test_serve_fills_in_threads_only_when_not_given():
 
     auto = argparse.Namespace(mode="pd", tp=None, threads=None)
     plan_threads(auto)
-    assert auto.threads == max(1, cpu_cores() // 2)
+    assert auto.threads == cpu_cores()
+    split = argparse.Namespace(mode="pd", tp=None, threads=None, kernels="torch")
+    plan_threads(split)
+    assert split.threads == max(1, cpu_cores() // 2)
     given = argparse.Namespace(mode="pd", tp=None, threads=3)
     plan_threads(given)
     assert given.threads == 3
