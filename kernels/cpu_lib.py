@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 LIB_NAME = "libpdserve_cpu.so"
 ABI_VERSION = 12
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
-COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp", "-DNDEBUG")
+COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp-simd", "-pthread", "-DNDEBUG")
 UNIT_FLAGS: dict[str, tuple[str, ...]] = {
     "dispatch.cpp": (),
     "qgemm_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
@@ -73,6 +73,23 @@ class Availability:
 
     def __bool__(self) -> bool:
         return self.ok
+
+
+_threads: int | None = None  # the kernels' thread count (set_threads); None: torch's
+
+
+def set_threads(n: int | None) -> None:
+    """Run the native kernels on `n` threads (the caller and n - 1 helpers of work_pool.h),
+    whatever torch's own setting; None follows torch's again."""
+    global _threads
+    if n is not None and n < 1:
+        raise ValueError(f"threads must be at least 1, not {n}")
+    _threads = n
+
+
+def num_threads() -> int:
+    """Threads a native kernel runs on when its caller names none."""
+    return _threads or torch.get_num_threads()
 
 
 def cache_root() -> Path:
@@ -119,7 +136,7 @@ def build(force: bool = False) -> Path:
             _run([cxx, *COMMON_FLAGS, *flags, "-c", str(SRC_DIR / unit), "-o", str(obj)])
             objects.append(str(obj))
         lib = Path(tmp) / LIB_NAME
-        _run([cxx, "-shared", "-fopenmp", *objects, "-o", str(lib)])
+        _run([cxx, "-shared", "-pthread", *objects, "-o", str(lib)])
         os.replace(lib, out)  # atomic: a racing process sees no library or a whole one
     logger.info("built %s", out)
     return out
@@ -208,7 +225,7 @@ def qmatmul(fmt: int, x: torch.Tensor, blocks: torch.Tensor, n: int, k: int,
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     status = lib.pds_cpu_qmatmul(fmt, x.data_ptr(), x.shape[0], k, blocks.data_ptr(), n,
                                  y.data_ptr(), ISAS[isa or default_isa()],
-                                 threads or torch.get_num_threads(), PATHS[path])
+                                 threads or num_threads(), PATHS[path])
     if status:
         raise RuntimeError(f"pds_cpu_qmatmul: {'instruction set unavailable' if status == 1 else 'bad arguments'} "
                            f"(isa {isa or default_isa()}, fmt {fmt}, M {x.shape[0]}, K {k}, N {n})")
@@ -221,7 +238,7 @@ def dequantize(fmt: int, blocks: torch.Tensor, n: int, k: int, isa: str | None =
     lib = _loaded()
     out = torch.empty(n, k, dtype=torch.float32)
     status = lib.pds_cpu_dequantize(fmt, blocks.data_ptr(), n, k, out.data_ptr(), ISAS[isa or default_isa()],
-                                    threads or torch.get_num_threads())
+                                    threads or num_threads())
     if status:
         raise RuntimeError(f"pds_cpu_dequantize: status {status} (fmt {fmt}, N {n}, K {k})")
     return out
@@ -245,7 +262,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     status = lib.pds_cpu_paged_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), lens.data_ptr(), B, heads, kv_heads, d, block_size, scale,
-        out.data_ptr(), ISAS[isa or default_isa()], threads or torch.get_num_threads())
+        out.data_ptr(), ISAS[isa or default_isa()], threads or num_threads())
     if status:
         why = "instruction set unavailable" if status == 1 else "bad arguments"
         raise RuntimeError(f"pds_cpu_paged_decode_attention: {why} (B {B}, heads {heads}, "
@@ -275,7 +292,7 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     status = lib.pds_cpu_paged_extend_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         block_tables.stride(0), lens.data_ptr(), starts.data_ptr(), lens.numel(), heads, kv_heads, d, block_size,
-        scale, out.data_ptr(), ISAS[isa or default_isa()], threads or torch.get_num_threads())
+        scale, out.data_ptr(), ISAS[isa or default_isa()], threads or num_threads())
     if status:
         why = f"instruction set {isa or default_isa()} unavailable" if status == 1 else "bad arguments"
         raise RuntimeError(f"pds_cpu_paged_extend_attention: {why} (B {lens.numel()}, T {T}, heads {heads}, "
@@ -296,7 +313,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     out = torch.empty_like(x)
     status = lib.pds_cpu_add_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(),
                                       weight.data_ptr(), out.data_ptr(), x.numel() // dim, dim, eps,
-                                      threads or torch.get_num_threads())
+                                      threads or num_threads())
     if status:
         raise RuntimeError(f"pds_cpu_add_rms_norm: status {status} (shape {tuple(x.shape)})")
     return out
@@ -325,7 +342,7 @@ def qmatmul_packed(fmt: int, x: torch.Tensor, qs: torch.Tensor, dm: torch.Tensor
     x = x.contiguous()
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     status = lib.pds_cpu_qmatmul_packed(fmt, x.data_ptr(), x.shape[0], k, qs.data_ptr(), dm.data_ptr(), n,
-                                        y.data_ptr(), threads or torch.get_num_threads())
+                                        y.data_ptr(), threads or num_threads())
     if status:
         raise RuntimeError(f"pds_cpu_qmatmul_packed: {'AVX-512 unavailable' if status == 1 else 'bad arguments'} "
                            f"(M {x.shape[0]}, K {k}, N {n})")
@@ -369,7 +386,7 @@ def decode_attention_block(x: torch.Tensor, residual: torch.Tensor | None, norm_
         cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
         v_cache.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), B,
         hidden, heads, kv_heads, head_dim, block_size, scale, out.data_ptr(), ISAS[isa or default_isa()],
-        threads or torch.get_num_threads())
+        threads or num_threads())
     if status:
         raise RuntimeError(f"pds_cpu_decode_attention_block: status {status} (B {B}, hidden {hidden}, "
                            f"heads {heads}, kv_heads {kv_heads}, head_dim {head_dim})")
@@ -388,7 +405,7 @@ def decode_mlp_block(x: torch.Tensor, residual: torch.Tensor | None, norm_w: tor
         x.data_ptr(), None if residual is None else residual.data_ptr(), norm_w.data_ptr(), eps, gu_fmt,
         gu_w.data_ptr(), *_packed_ptrs(gu_packed), down_fmt, down_w.data_ptr(), *_packed_ptrs(down_packed), B,
         hidden, inter, out.data_ptr(),
-        ISAS[isa or default_isa()], threads or torch.get_num_threads())
+        ISAS[isa or default_isa()], threads or num_threads())
     if status:
         raise RuntimeError(f"pds_cpu_decode_mlp_block: status {status} (B {B}, hidden {hidden}, inter {inter})")
     return out
@@ -408,7 +425,7 @@ def decode_layers(table: torch.Tensor, x: torch.Tensor, final_w: torch.Tensor, e
         table.data_ptr(), table.shape[0], x.data_ptr(), final_w.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
         slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), B, hidden, heads, kv_heads,
         head_dim, block_size, inter, scale, out.data_ptr(), ISAS[isa or default_isa()],
-        threads or torch.get_num_threads())
+        threads or num_threads())
     if status:
         raise RuntimeError(f"pds_cpu_decode_layers: status {status} (layers {table.shape[0]}, B {B}, "
                            f"hidden {hidden}, heads {heads}, kv_heads {kv_heads}, head_dim {head_dim})")

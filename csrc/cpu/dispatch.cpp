@@ -1,9 +1,8 @@
 // C ABI of libpdserve_cpu.so: picks the instruction set at run time (cpuid, or forced by the
-// caller) and splits the work over OpenMP threads. Compiled with baseline flags: no AVX
-// instruction may run here before the check. The caller passes the thread count (torch's), and
-// the library links the same libgomp torch loaded, so both share one pool of threads.
-#include <omp.h>
-
+// caller) and splits the work over the helper pool (work_pool.h). Compiled with baseline flags:
+// no AVX instruction may run here before the check. The caller passes the thread count. No
+// entry uses OpenMP: a team's threads spin for milliseconds after each region, on the very
+// cores the pool's helpers need next (docs/cpu-threads.md).
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -129,20 +128,15 @@ __attribute__((visibility("default"))) int pds_cpu_qmatmul(int fmt, const float*
   std::vector<float> d(M * nb), s(M * nb);
   const QuantAct act{q.data(), d.data(), s.data(), K};
   const int64_t chunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
-  const int team = std::max(1, std::min<int>(threads, static_cast<int>(std::max(chunks, M))));
-#pragma omp parallel num_threads(team)
-  {
-#pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m)
-      k->quantize_row(x + m * K, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb);
-    for (int64_t m0 = 0; m0 < M; m0 += kActRowsPerPass) {
-      const int64_t m1 = std::min(M, m0 + kActRowsPerPass);
-#pragma omp for schedule(static)
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t n0 = c * kRowsPerChunk, n1 = std::min(N, n0 + kRowsPerChunk);
-        k->gemm(fmt, act, w, y, N, m0, m1, n0, n1);
-      }
-    }
+  parallel_for_chunks(M, threads, [&](int64_t m) {
+    k->quantize_row(x + m * K, K, q.data() + m * K, d.data() + m * nb, s.data() + m * nb);
+  });
+  for (int64_t m0 = 0; m0 < M; m0 += kActRowsPerPass) {
+    const int64_t m1 = std::min(M, m0 + kActRowsPerPass);
+    parallel_for_chunks(chunks, threads, [&](int64_t c) {
+      const int64_t n0 = c * kRowsPerChunk, n1 = std::min(N, n0 + kRowsPerChunk);
+      k->gemm(fmt, act, w, y, N, m0, m1, n0, n1);
+    });
   }
   return 0;
 }
@@ -183,12 +177,10 @@ __attribute__((visibility("default"))) int pds_cpu_dequantize(int fmt, const uin
   if (k == nullptr) return 1;
   if (fmt < Q4_0 || fmt > Q8_0 || N < 0 || K <= 0 || K % QK) return 2;
   const int64_t chunks = (N + kRowsPerChunk - 1) / kRowsPerChunk;
-  const int team = std::max(1, std::min<int>(threads, static_cast<int>(std::max<int64_t>(chunks, 1))));
-#pragma omp parallel for num_threads(team) schedule(static)
-  for (int64_t c = 0; c < chunks; ++c) {
+  parallel_for_chunks(chunks, threads, [&](int64_t c) {
     const int64_t n0 = c * kRowsPerChunk, n1 = std::min(N, n0 + kRowsPerChunk);
     k->dequantize(fmt, w, K, n0, n1, out + n0 * K);
-  }
+  });
   return 0;
 }
 
@@ -208,14 +200,11 @@ __attribute__((visibility("default"))) int pds_cpu_paged_decode_attention(
     if (lens[b] <= 0) return 2;
   const DecodeAttention a{q, q_stride, k_cache, v_cache, tables, table_stride, lens, out,
                           heads, kv_heads, head_dim, block_size, scale};
-  const int64_t units = B * kv_heads;
-  const int team = std::max(1, std::min<int>(threads, static_cast<int>(std::max<int64_t>(units, 1))));
-#pragma omp parallel num_threads(team)
-  {
-    std::vector<float> scratch(decode_attention_scratch(a));
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < units; ++u) decode_attention_unit(a, u / kv_heads, u % kv_heads, scratch.data(), k == &kAvx512);
-  }
+  parallel_for_chunks(B * kv_heads, threads, [&](int64_t u) {
+    thread_local std::vector<float> scratch;
+    if (static_cast<int64_t>(scratch.size()) < decode_attention_scratch(a)) scratch.resize(decode_attention_scratch(a));
+    decode_attention_unit(a, u / kv_heads, u % kv_heads, scratch.data(), k == &kAvx512);
+  });
   return 0;
 }
 
@@ -226,10 +215,11 @@ __attribute__((visibility("default"))) int pds_cpu_add_rms_norm(float* x, const 
                                                                 int64_t dim, float eps, int threads) {
   if (pick(ISA_AVX2) == nullptr) return 1;
   if (rows < 0 || dim <= 0) return 2;
-  const int team = std::max(1, std::min<int>(threads, static_cast<int>(std::max<int64_t>(rows / 4, 1))));
-#pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
-  for (int64_t r = 0; r < rows; ++r)
-    add_rms_norm_row_avx2(x + r * dim, residual ? residual + r * dim : nullptr, w, out + r * dim, dim, eps);
+  // units of 4 rows: a row is ~1 us, too little to hand to a helper alone
+  parallel_for_chunks((rows + 3) / 4, threads, [&](int64_t c) {
+    for (int64_t r = c * 4; r < std::min(rows, c * 4 + 4); ++r)
+      add_rms_norm_row_avx2(x + r * dim, residual ? residual + r * dim : nullptr, w, out + r * dim, dim, eps);
+  });
   return 0;
 }
 

@@ -19,7 +19,7 @@ from pdserve.distributed.comm import LocalComm
 from pdserve.distributed.trace import CollectiveTrace, Traces
 from pdserve.kvcache import BlockAllocator, HostTier, KVPool, salt_of
 from pdserve.layers.dsa import INDEX_DTYPES
-from pdserve.models import eos_token_ids, load_model, read_config
+from pdserve.models import eos_token_ids, load_model, multiplies_natively, read_config
 from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
 from pdserve.scheduler.lockstep import LockstepLoop
 from pdserve.scheduler.plan import KVPeer, PeerDeadRooms
@@ -70,6 +70,8 @@ class LLMEngine:
         self.rank = tp.rank
         self.model = load_model(self.model_dir, dtype, config.device, tp, config.nvfp4_mode,
                                 config.quantization)
+        if config.threads and multiplies_natively(self.model):
+            apply_threads(config.threads, torch_threads=1)  # the cores are the kernels' (threads.py)
         specs = self.model.cache_spec(dtype, INDEX_DTYPES[config.index_cache_dtype])
         # the pool and the context reconciled: a request at the full context always fits alone
         fit = fit_context(config, KVPool.bytes_per_block(specs, config.block_size),

@@ -15,6 +15,12 @@ come in bursts; the decode worker idles between streams). On 2 cores that was 1.
 throughput of one core each, a lower ITL p99, and no loss with long prompts computed beside
 32 decodes (docs/cpu-threads.md has the figures). With `--kernels torch` (OpenMP teams
 everywhere) the split stays.
+
+Within a process, the cores serve one pool at a time. torch's OpenMP team spins for milliseconds
+after each parallel op, on the very cores the native kernels' helpers need for the next matmul;
+on 2 cores a 256-token prompt took 2x as long that way. So where every matmul of the model runs
+natively (`models.registry.multiplies_natively`: the packed int16 path), torch keeps one thread
+(its remaining ops are small) and the native kernels get the process's threads.
 """
 from __future__ import annotations
 
@@ -87,9 +93,18 @@ def default_threads(local_ranks: int = 1) -> int:
     return split_threads(cpu_cores(), max(1, local_ranks)).per_process
 
 
-def apply_threads(n: int) -> None:
-    """Set torch's intra-op threads of this process to `n` and say so."""
+def apply_threads(n: int, torch_threads: int | None = None) -> None:
+    """Run this process's CPU work on `n` threads: the native kernels' pool and torch's intra-op
+    threads, or `torch_threads` of them for torch (1 where every matmul is native; see the
+    module's docstring). Says so."""
     import torch  # here, not at the top: the router imports this module and needs no torch
 
-    torch.set_num_threads(n)
-    logger.info("CPU threads: %d in this process (%d core(s) on the machine)", n, cpu_cores())
+    from pdserve_kernels import cpu_lib
+
+    cpu_lib.set_threads(n)
+    torch.set_num_threads(torch_threads or n)
+    if torch_threads and torch_threads != n:
+        logger.info("CPU threads: %d for the native kernels, %d for torch's ops (every matmul is native) "
+                    "(%d core(s) on the machine)", n, torch_threads, cpu_cores())
+    else:
+        logger.info("CPU threads: %d in this process (%d core(s) on the machine)", n, cpu_cores())

@@ -85,6 +85,21 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
     return model
 
 
+def multiplies_natively(model: nn.Module) -> bool:
+    """Whether every matrix product of `model`'s forward runs on the native int16 kernels: every
+    module holding a matrix (an embedding table aside: a lookup) and every LM head has a packed
+    copy of it. Then torch's own CPU ops in a step are all small."""
+    from pdserve.layers.embedding import Embedding, LMHead
+
+    for module in model.modules():
+        if isinstance(module, Embedding):
+            continue
+        holds_matrix = isinstance(module, LMHead) or any(p.dim() >= 2 for p in module.parameters(recurse=False))
+        if holds_matrix and getattr(module, "packed", None) is None:
+            return False  # a float matrix, or blocks multiplied without the packed copy
+    return True
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Floating tensors created without an explicit dtype get `dtype` inside the block."""

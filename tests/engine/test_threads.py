@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from pdserve_kernels import cpu_lib
+
 from pdserve.engine.threads import apply_threads, cpu_cores, default_threads, serve_threads, split_threads
 
 
@@ -37,13 +39,49 @@ def test_more_processes_than_cores_get_one_thread_each():
     assert plan.per_process == 1 and plan.processes == 4 and plan.oversubscribed
 
 
-def test_apply_threads_sets_torch():
-    before = torch.get_num_threads()
+@pytest.fixture
+def restore_threads():
+    """Put back what an engine sets for the whole process: the thread counts and the op binding."""
+    from pdserve_kernels import dispatch
+
+    before, bound = torch.get_num_threads(), ({n: op.impl for n, op in dispatch.OPS.items()}, dispatch._current)
+    yield
+    torch.set_num_threads(before)
+    cpu_lib.set_threads(None)
+    for name, op in dispatch.OPS.items():
+        op.impl = bound[0][name]
+    dispatch._current = bound[1]
+
+
+def test_apply_threads_sets_torch_and_the_native_kernels(restore_threads):
+    apply_threads(1)
+    assert (torch.get_num_threads(), cpu_lib.num_threads()) == (1, 1)
+    apply_threads(2, torch_threads=1)
+    assert (torch.get_num_threads(), cpu_lib.num_threads()) == (1, 2)
+
+
+def _engine_threads(model_dir: str, **config) -> tuple[int, int, bool]:
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm_engine import LLMEngine
+    from pdserve.models import multiplies_natively
+
+    engine = LLMEngine(EngineConfig(model=model_dir, threads=2, kv_cache_memory=8 << 20, **config))
     try:
-        apply_threads(1)
-        assert torch.get_num_threads() == 1
+        return torch.get_num_threads(), cpu_lib.num_threads(), multiplies_natively(engine.model)
     finally:
-        torch.set_num_threads(before)
+        engine.close()
+
+
+@pytest.mark.skipif(not cpu_lib.int16_activations(), reason="the packed int16 kernels need AVX-512 VNNI")
+def test_torch_keeps_one_thread_where_every_matmul_is_native(default_model_dir, restore_threads):
+    # the default model's Q4_1 layers and Q8_0 head all pack: torch's team would only spin
+    assert _engine_threads(default_model_dir, quantization="auto", kernels="native") == (1, 2, True)
+
+
+@pytest.mark.parametrize("config", [dict(quantization="auto", kernels="torch"),      # torch's matmuls
+                                    dict(quantization="none", kernels="native")])   # fp32 linears
+def test_torch_keeps_every_thread_where_it_multiplies(default_model_dir, restore_threads, config):
+    assert _engine_threads(default_model_dir, **config) == (2, 2, False)
 
 
 def test_the_command_line_default_is_the_cores_share_and_an_explicit_count_wins():
