@@ -27,10 +27,7 @@ def native_available() -> bool:
     return bool(cpu_lib.availability())
 
 
-# From this many rows on (prefill), weights are dequantized natively in slices of GEMM_SLICE rows
-# and multiplied by torch's fp32 GEMM: faster than either quantized path at that size.
-GEMM_MIN_ROWS = 64
-GEMM_SLICE = 4096
+GEMM_SLICE = 4096  # weight rows the gemm path dequantizes at a time
 
 
 def qmatmul_native(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, isa: str | None = None,
@@ -38,11 +35,12 @@ def qmatmul_native(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, isa: st
     """x [M, K] @ W^T on the CPU kernels, fp32 out. `path`: f32 (weights dequantized in
     registers, or in panels of 16 rows from 64 rows on AVX-512; fp32 activations), gemm
     (weights dequantized in slices, torch's GEMM), int8 (activations quantized per block of 32,
-    integer dot products, as llama.cpp does) or auto (f32 below GEMM_MIN_ROWS rows, then gemm).
+    integer dot products, as llama.cpp does) or auto (f32 at every row count: the whole product
+    stays on the kernels' thread pool, so torch can keep one thread; docs/cpu-threads.md).
     `isa` forces avx2 | avx512 (tests)."""
     n, k = raw.shape[0], x.shape[-1]
     x = x.to(torch.float32)
-    if path == "gemm" or (path == "auto" and x.shape[0] >= GEMM_MIN_ROWS):
+    if path == "gemm":
         y = torch.empty(x.shape[0], n, dtype=torch.float32)
         for start in range(0, n, GEMM_SLICE):
             stop = min(n, start + GEMM_SLICE)

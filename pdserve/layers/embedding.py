@@ -72,6 +72,10 @@ class LMHead(nn.Module):
         self.weight = _blocks_param(self.weight, fmt)
         self.fmt, self.on_load = fmt, on_load
 
+    def block_format(self) -> BlockFormat | None:
+        """The blocks the head multiplies (its own or its tied embedding's); None: float."""
+        return self._weight()[1]
+
     def _weight(self) -> tuple[torch.Tensor, BlockFormat | None]:
         if self.tied_to:
             table = self.tied_to[0]

@@ -86,17 +86,23 @@ def load_model(model_dir: str | Path, dtype: torch.dtype = torch.float32, device
 
 
 def multiplies_natively(model: nn.Module) -> bool:
-    """Whether every matrix product of `model`'s forward runs on the native int16 kernels: every
-    module holding a matrix (an embedding table aside: a lookup) and every LM head has a packed
-    copy of it. Then torch's own CPU ops in a step are all small."""
+    """Whether every matrix product of `model`'s forward runs in the native CPU kernels: every
+    linear layer and LM head holds its matrix in GGUF blocks (packed for the int16 kernel or
+    not) and the block matmuls are bound to their native variants; an embedding table is a
+    lookup. Then torch's own CPU ops in a step are all small (docs/cpu-threads.md)."""
+    import pdserve_kernels as ops
     from pdserve.layers.embedding import Embedding, LMHead
+    from pdserve.layers.quant.blocks import BlockQuantLinearMethod
 
+    if not ops.is_native(ops.qmatmul):
+        return False
     for module in model.modules():
-        if isinstance(module, Embedding):
-            continue
-        holds_matrix = isinstance(module, LMHead) or any(p.dim() >= 2 for p in module.parameters(recurse=False))
-        if holds_matrix and getattr(module, "packed", None) is None:
-            return False  # a float matrix, or blocks multiplied without the packed copy
+        if isinstance(module, LMHead):
+            if module.block_format() is None:
+                return False  # a float head: torch's GEMM
+        elif not isinstance(module, Embedding) and any(p.dim() >= 2 for p in module.parameters(recurse=False)):
+            if not isinstance(getattr(module, "method", None), BlockQuantLinearMethod):
+                return False  # a float or NVFP4 linear, experts, ...: torch multiplies
     return True
 
 

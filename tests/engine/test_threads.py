@@ -72,9 +72,13 @@ def _engine_threads(model_dir: str, **config) -> tuple[int, int, bool]:
         engine.close()
 
 
-@pytest.mark.skipif(not cpu_lib.int16_activations(), reason="the packed int16 kernels need AVX-512 VNNI")
-def test_torch_keeps_one_thread_where_every_matmul_is_native(default_model_dir, restore_threads):
-    # the default model's Q4_1 layers and Q8_0 head all pack: torch's team would only spin
+@pytest.mark.skipif(not cpu_lib.availability(), reason="the native CPU kernels do not run here")
+@pytest.mark.parametrize("int16", ["1", "0"])
+def test_torch_keeps_one_thread_where_every_matmul_is_native(default_model_dir, restore_threads, monkeypatch,
+                                                             int16):
+    # the default model's Q4_1 layers and Q8_0 head multiply in the native kernels, packed for
+    # the int16 kernel (AVX-512) or not (AVX2, or int16 turned off): torch's team would only spin
+    monkeypatch.setenv("PDSERVE_INT16_ACTIVATIONS", int16)
     assert _engine_threads(default_model_dir, quantization="auto", kernels="native") == (1, 2, True)
 
 
