@@ -53,7 +53,7 @@ def _rotary_before(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, in
 def fused_ops(tokens: int, hidden: int = 576, heads: int = 9, kv_heads: int = 3, head_dim: int = 64,
               inter: int = 1536) -> list[dict]:
     """RMSNorm + residual, rotary on q and k, SwiGLU: before and after, `tokens` rows."""
-    from pdserve.layers.activation import silu_and_mul
+    from pdserve_kernels import silu_and_mul
     from pdserve.layers.norm import RMSNorm
     from pdserve.layers.rotary import RotaryEmbedding
 

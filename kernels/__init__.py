@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import functools
 
-from . import attention, attention_cpu, attention_cuda, cpu_lib, decode_layer, norm, quant
+from . import attention, attention_cpu, attention_cuda, cpu_lib, decode_layer, layer_ops, norm, quant
 from .dispatch import (Availability, Backend, KernelsUnavailable, Selection, configure, current,
                        register, register_library, select)
 
 __all__ = ["Availability", "Backend", "KernelsUnavailable", "Selection", "backend_name", "configure",
            "current", "decode_attention_block", "decode_layers", "decode_mlp_block", "gather_kv", "is_native",
            "paged_attention", "qmatmul", "qmatmul_packed", "register", "register_library", "rms_norm",
-           "select", "store_kv"]
+           "rotate_halves", "select", "silu_and_mul", "store_kv"]
 
 gather_kv = attention.gather_kv
 
@@ -30,6 +30,8 @@ store_kv = register("store_kv", attention.store_kv)
 paged_attention = register("paged_attention", attention.paged_attention,
                            cpu=attention_cpu.paged_attention_cpu, cuda=attention_cuda.paged_attention_cuda)
 rms_norm = register("rms_norm", norm.rms_norm, cpu=norm.rms_norm_cpu)
+silu_and_mul = register("silu_and_mul", layer_ops.silu_and_mul, cpu=layer_ops.silu_and_mul_cpu)
+rotate_halves = register("rotate_halves", layer_ops.rotate_halves, cpu=layer_ops.rotate_halves_cpu)
 qmatmul = register("qmatmul", functools.partial(quant.qmatmul, force="torch"),
                    cpu=functools.partial(quant.qmatmul, force="native"))
 # the same product through a Q4 matrix repacked for the int16-activation path (batch-1 decode)

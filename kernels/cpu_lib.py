@@ -34,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LIB_NAME = "libpdserve_cpu.so"
-ABI_VERSION = 12
+ABI_VERSION = 13
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp-simd", "-pthread", "-DNDEBUG")
 UNIT_FLAGS: dict[str, tuple[str, ...]] = {
@@ -171,6 +171,8 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
                                                    ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_add_rms_norm.restype = _I
     lib.pds_cpu_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
+    lib.pds_cpu_silu_mul.argtypes = [_P, _I64, _I64, _I64, _P, _I]
+    lib.pds_cpu_rotary_halves.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I]
     lib.pds_cpu_decode_attention_block.restype = _I
     lib.pds_cpu_decode_attention_block.argtypes = [_P, _P, _P, ctypes.c_float, _I, _P, _P, _P, _I, _P, _P,
                                                    _P, _P, _P, _P, _P, _P, _P, _I64, _P, *[_I64] * 6,
@@ -316,6 +318,40 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                                       threads or num_threads())
     if status:
         raise RuntimeError(f"pds_cpu_add_rms_norm: status {status} (shape {tuple(x.shape)})")
+    return out
+
+
+def silu_mul(x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+    """silu(gate) * up for fp32 rows `[rows, 2 * inter]` = [gate | up] (rows contiguous inside,
+    any row stride), as the fused decode block computes it."""
+    lib = _loaded()
+    rows, inter = x.shape[0], x.shape[1] // 2
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
+        raise ValueError("silu_mul: fp32 rows [rows, 2 * inter] with contiguous columns")
+    out = torch.empty(rows, inter, dtype=torch.float32)
+    status = lib.pds_cpu_silu_mul(x.data_ptr(), x.stride(0), rows, inter, out.data_ptr(), threads or num_threads())
+    if status:
+        raise RuntimeError(f"pds_cpu_silu_mul: status {status} (shape {tuple(x.shape)})")
+    return out
+
+
+def rotary_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, threads: int | None = None
+                  ) -> torch.Tensor:
+    """Rotate-half RoPE of fp32 `[T, heads, head_dim]` (heads contiguous inside a token, any
+    token stride) with cos/sin `[T, head_dim / 2]`, into a new contiguous tensor, as the fused
+    decode block computes it."""
+    lib = _loaded()
+    T, heads, d = x.shape
+    if x.dtype != torch.float32 or x.stride()[1:] != (d, 1) or cos.shape != (T, d // 2) \
+            or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous()) \
+            or (cos.dtype, sin.dtype) != (torch.float32, torch.float32):
+        raise ValueError("rotary_halves: fp32 x [T, heads, head_dim] (a token's heads contiguous), "
+                         "contiguous fp32 cos/sin [T, head_dim / 2]")
+    out = torch.empty(T, heads, d, dtype=torch.float32)
+    status = lib.pds_cpu_rotary_halves(x.data_ptr(), x.stride(0), T, heads, d, cos.data_ptr(), sin.data_ptr(),
+                                       out.data_ptr(), threads or num_threads())
+    if status:
+        raise RuntimeError(f"pds_cpu_rotary_halves: status {status} (shape {tuple(x.shape)})")
     return out
 
 

@@ -22,6 +22,7 @@ import torch
 
 from . import cpu_lib
 from .attention import paged_attention, store_kv
+from .layer_ops import rotate_halves, silu_and_mul
 from .norm import rms_norm
 from .quant import BlockFormat, Packed, qmatmul_torch, round_activations_int16
 
@@ -29,14 +30,6 @@ from .quant import BlockFormat, Packed, qmatmul_torch, round_activations_int16
 def _project(x: torch.Tensor, raw: torch.Tensor, fmt: BlockFormat, packed: Packed | None) -> torch.Tensor:
     """A projection's reference: a packed weight multiplies int16-rounded activations."""
     return qmatmul_torch(x if packed is None else round_activations_int16(x), raw, fmt)
-
-
-def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE of `[T, heads, D]` with cos/sin `[T, D/2]`: the first half becomes
-    x1·cos − x2·sin, the second x2·cos + x1·sin."""
-    x1, x2 = x.chunk(2, dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
-    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
 
 
 def decode_attention_block(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
@@ -51,7 +44,7 @@ def decode_attention_block(x: torch.Tensor, residual: torch.Tensor | None, norm_
     B, d = x.shape[0], k_cache.shape[-1]
     h = rms_norm(x, residual, norm_w, eps)
     qkv = _project(h, qkv_w, qkv_fmt, qkv_packed).view(B, heads + 2 * kv_heads, d)
-    qk = rotate_halves(qkv[:, :heads + kv_heads], cos, sin)
+    qk = rotate_halves(qkv[:, :heads + kv_heads], cos[:, None, :], sin[:, None, :])
     store_kv(k_cache, v_cache, qk[:, heads:], qkv[:, heads + kv_heads:], slots)
     att = paged_attention(qk[:, :heads], k_cache, v_cache, list(range(B + 1)), lens.tolist(), tables, scale)
     return _project(att.reshape(B, heads * d), o_w, o_fmt, o_packed)
@@ -62,8 +55,7 @@ def decode_mlp_block(x: torch.Tensor, residual: torch.Tensor | None, norm_w: tor
                      gu_packed: Packed | None = None, down_packed: Packed | None = None) -> torch.Tensor:
     """The reference: gate rows first in `gu_w`, then up rows (`*_packed` as above)."""
     h = rms_norm(x, residual, norm_w, eps)
-    gate, up = _project(h, gu_w, gu_fmt, gu_packed).chunk(2, dim=-1)
-    return _project(torch.nn.functional.silu(gate) * up, down_w, down_fmt, down_packed)
+    return _project(silu_and_mul(_project(h, gu_w, gu_fmt, gu_packed)), down_w, down_fmt, down_packed)
 
 
 def _fp32_rows(*tensors: torch.Tensor | None) -> bool:

@@ -16,6 +16,19 @@ from tests.tiny_models import make_deepseek
 torch.set_num_threads(1)
 
 
+@pytest.fixture
+def restore_ops():
+    """Put back the op API's binding, which `pdserve_kernels.configure` (an engine, a test) sets
+    for the whole process."""
+    from pdserve_kernels import dispatch
+
+    saved = {name: op.impl for name, op in dispatch.OPS.items()}, dispatch._current
+    yield
+    for name, op in dispatch.OPS.items():
+        op.impl = saved[0][name]
+    dispatch._current = saved[1]
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> str:
     """A 2-layer random Llama (4 heads, 2 KV heads) saved as a Hugging Face directory."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import pdserve_kernels as ops
 from pdserve.distributed import TPGroup
-from pdserve.layers.activation import silu_and_mul
 from pdserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from pdserve.layers.quant import QuantConfig, linear_method
 
@@ -28,4 +28,4 @@ class GatedMLP(nn.Module):
                                            method=linear_method(quant, [f"{prefix}.down_proj"]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))

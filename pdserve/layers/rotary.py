@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+import pdserve_kernels as ops
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """Inverse frequencies, adjusted by `rope_scaling` (types: default, linear, llama3, yarn)."""
@@ -109,26 +111,12 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self.cos_sin(positions)
         if self.interleaved:
             return _rotate_pairs(q, cos, sin), _rotate_pairs(k, cos, sin)
-        return _rotate_halves(q, cos, sin), _rotate_halves(k, cos, sin)
+        return ops.rotate_halves(q, cos, sin), ops.rotate_halves(k, cos, sin)
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """RoPE on `[T, heads, D]` in one pass: q and k heads side by side rotate together."""
         cos, sin = self.cos_sin(positions)
-        return _rotate_pairs(x, cos, sin) if self.interleaved else _rotate_halves(x, cos, sin)
-
-
-def _rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's `x * cos + rotate_half(x) * sin` with cos/sin of half width: the first
-    half becomes x1·cos − x2·sin, the second x2·cos + x1·sin (the same roundings)."""
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    o1, o2 = out.chunk(2, dim=-1)
-    torch.mul(x1, cos, out=o1)
-    o1.sub_(x2 * sin)
-    torch.mul(x2, cos, out=o2)
-    o2.add_(x1 * sin)
-    return out.to(x.dtype)
+        return _rotate_pairs(x, cos, sin) if self.interleaved else ops.rotate_halves(x, cos, sin)
 
 
 def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

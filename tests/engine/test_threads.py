@@ -40,17 +40,12 @@ def test_more_processes_than_cores_get_one_thread_each():
 
 
 @pytest.fixture
-def restore_threads():
-    """Put back what an engine sets for the whole process: the thread counts and the op binding."""
-    from pdserve_kernels import dispatch
-
-    before, bound = torch.get_num_threads(), ({n: op.impl for n, op in dispatch.OPS.items()}, dispatch._current)
+def restore_threads(restore_ops):
+    """Put back what an engine sets for the whole process: the thread counts (and the op binding)."""
+    before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
     cpu_lib.set_threads(None)
-    for name, op in dispatch.OPS.items():
-        op.impl = bound[0][name]
-    dispatch._current = bound[1]
 
 
 def test_apply_threads_sets_torch_and_the_native_kernels(restore_threads):

@@ -98,17 +98,11 @@ def test_embedding_dequantizes_only_the_rows_it_looks_up_and_tied_head_multiplie
 
 
 @pytest.fixture
-def native_ops():
+def native_ops(restore_ops):
     """The op API bound as a worker on this CPU binds it (--kernels auto), then put back."""
     import pdserve_kernels as ops
-    from pdserve_kernels import dispatch
 
-    saved = {name: op.impl for name, op in dispatch.OPS.items()}, dispatch._current
     ops.configure("cpu", torch.float32, "auto")
-    yield
-    for name, op in dispatch.OPS.items():
-        op.impl = saved[0][name]
-    dispatch._current = saved[1]
 
 
 @pytest.mark.parametrize("int16", ["1", "0"])
