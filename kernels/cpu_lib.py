@@ -171,7 +171,9 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
                                                    ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_add_rms_norm.restype = _I
     lib.pds_cpu_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
+    lib.pds_cpu_silu_mul.restype = _I
     lib.pds_cpu_silu_mul.argtypes = [_P, _I64, _I64, _I64, _P, _I]
+    lib.pds_cpu_rotary_halves.restype = _I
     lib.pds_cpu_rotary_halves.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I]
     lib.pds_cpu_decode_attention_block.restype = _I
     lib.pds_cpu_decode_attention_block.argtypes = [_P, _P, _P, ctypes.c_float, _I, _P, _P, _P, _I, _P, _P,

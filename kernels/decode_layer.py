@@ -7,9 +7,9 @@ return the row-parallel projection's output before any tensor-parallel sum, so a
 TP > 1 all-reduces between them. Weights are GGUF block rows (pdserve_kernels.quant), one query
 token per sequence, fp32.
 
-The torch references compose the ops' own references (rms_norm, qmatmul_torch, store_kv,
-paged_attention) and are what the native CPU variants (csrc/cpu/decode_block.cpp: one call per
-block, no Python between the steps) are tested against.
+The torch references compose the ops' own references (rms_norm, qmatmul_torch, rotate_halves,
+silu_and_mul, store_kv, paged_attention) and are what the native CPU variants
+(csrc/cpu/decode_block.cpp: one call per block, no Python between the steps) are tested against.
 
 `decode_layers`: every layer of a model without tensor-parallel sums (TP = 1), then the final
 RMSNorm, as one op over a `DecodeStack` (csrc/cpu/decode_stack.cpp: one native call a step).

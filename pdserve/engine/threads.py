@@ -18,9 +18,10 @@ everywhere) the split stays.
 
 Within a process, the cores serve one pool at a time. torch's OpenMP team spins for milliseconds
 after each parallel op, on the very cores the native kernels' helpers need for the next matmul;
-on 2 cores a 256-token prompt took 2x as long that way. So where every matmul of the model runs
-natively (`models.registry.multiplies_natively`: the packed int16 path), torch keeps one thread
-(its remaining ops are small) and the native kernels get the process's threads.
+on 2 cores prompt and mixed steps took 1.3-1.6x as long that way. So where every matmul of the
+model runs natively (`models.registry.multiplies_natively`: linear layers and LM heads in GGUF
+blocks on the native kernels), torch keeps one thread (its remaining ops are small) and the
+native kernels get the process's threads.
 """
 from __future__ import annotations
 
