@@ -49,7 +49,7 @@ UNIT_FLAGS: dict[str, tuple[str, ...]] = {
     "extend_attention_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                     "-mavx512dq"),
     "norm_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
-    "layer_ops_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
+    "layer_ops_avx2.cpp": ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"),  # RoPE rounds as torch does
     "qgemv_packed_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                 "-mavx512dq", "-mavx512vnni"),
     "decode_block.cpp": (),
@@ -171,8 +171,6 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
                                                    ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_add_rms_norm.restype = _I
     lib.pds_cpu_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
-    lib.pds_cpu_silu_mul.restype = _I
-    lib.pds_cpu_silu_mul.argtypes = [_P, _I64, _I64, _I64, _P, _I]
     lib.pds_cpu_rotary_halves.restype = _I
     lib.pds_cpu_rotary_halves.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I]
     lib.pds_cpu_decode_attention_block.restype = _I
@@ -323,25 +321,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     return out
 
 
-def silu_mul(x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-    """silu(gate) * up for fp32 rows `[rows, 2 * inter]` = [gate | up] (rows contiguous inside,
-    any row stride), as the fused decode block computes it."""
-    lib = _loaded()
-    rows, inter = x.shape[0], x.shape[1] // 2
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
-        raise ValueError("silu_mul: fp32 rows [rows, 2 * inter] with contiguous columns")
-    out = torch.empty(rows, inter, dtype=torch.float32)
-    status = lib.pds_cpu_silu_mul(x.data_ptr(), x.stride(0), rows, inter, out.data_ptr(), threads or num_threads())
-    if status:
-        raise RuntimeError(f"pds_cpu_silu_mul: status {status} (shape {tuple(x.shape)})")
-    return out
-
-
 def rotary_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, threads: int | None = None
                   ) -> torch.Tensor:
     """Rotate-half RoPE of fp32 `[T, heads, head_dim]` (heads contiguous inside a token, any
     token stride) with cos/sin `[T, head_dim / 2]`, into a new contiguous tensor, as the fused
-    decode block computes it."""
+    decode block computes it (the reference's roundings: no fused multiply-add)."""
     lib = _loaded()
     T, heads, d = x.shape
     if x.dtype != torch.float32 or x.stride()[1:] != (d, 1) or cos.shape != (T, d // 2) \

@@ -1,7 +1,7 @@
 """The small elementwise steps of a decoder layer on the op-by-op path (prefill, mixed steps):
-SwiGLU and rotate-half RoPE. The torch references, and native CPU variants that run the fused
-decode block's own arithmetic (csrc/cpu/layer_ops_avx2.cpp) on the kernels' thread pool, so a
-step's rows are computed alike whichever path they take, and torch's ops stay off the cores."""
+SwiGLU (torch's) and rotate-half RoPE: its torch reference, and a native CPU variant that runs
+the fused decode block's function (csrc/cpu/layer_ops_avx2.cpp, the same roundings as the
+reference) on the kernels' thread pool, so torch's ops stay off the cores."""
 from __future__ import annotations
 
 import torch
@@ -14,15 +14,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up over the last dim of x = [gate | up]."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate).mul_(up)  # the product written into silu's output: one tensor fewer
-
-
-def silu_and_mul_cpu(x: torch.Tensor) -> torch.Tensor:
-    """One native call for fp32 CPU rows; anything else runs the reference."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.shape[-1] % 2 or x.stride(-1) != 1:
-        return silu_and_mul(x)
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, x.shape[-1])
-    return cpu_lib.silu_mul(rows).reshape(*lead, x.shape[-1] // 2)
 
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -224,25 +224,10 @@ __attribute__((visibility("default"))) int pds_cpu_add_rms_norm(float* x, const 
   return 0;
 }
 
-// SwiGLU of the layer-by-layer path: x rows of [gate (inter) | up (inter)] fp32 (row stride
-// x_stride floats), out [rows][inter] = silu(gate) * up, the arithmetic of the fused decode block.
-// Returns 0, 1 when AVX2 is unavailable, 2 for bad arguments.
-__attribute__((visibility("default"))) int pds_cpu_silu_mul(const float* x, int64_t x_stride, int64_t rows,
-                                                            int64_t inter, float* out, int threads) {
-  if (pick(ISA_AVX2) == nullptr) return 1;
-  if (rows < 0 || inter <= 0 || x_stride < 2 * inter) return 2;
-  const int64_t per = std::max<int64_t>(1, 8192 / inter);  // rows per unit: ~8K values each
-  parallel_for_chunks((rows + per - 1) / per, threads, [&](int64_t c) {
-    for (int64_t r = c * per; r < std::min(rows, (c + 1) * per); ++r)
-      silu_mul_avx2(x + r * x_stride, x + r * x_stride + inter, out + r * inter, inter);
-  });
-  return 0;
-}
-
 // Rotate-half RoPE of the layer-by-layer path: x [T][heads][head_dim] fp32 (token stride x_stride
 // floats, heads contiguous), cos and sin [T][head_dim / 2]; out [T][heads][head_dim] = x rotated,
-// the arithmetic of the fused decode block. Returns 0, 1 when AVX2 is unavailable, 2 for bad
-// arguments.
+// the arithmetic of the fused decode block (torch's roundings: layer_ops_avx2.cpp is built without
+// FMA contraction). Returns 0, 1 when AVX2 is unavailable, 2 for bad arguments.
 __attribute__((visibility("default"))) int pds_cpu_rotary_halves(const float* x, int64_t x_stride, int64_t T,
                                                                  int64_t heads, int64_t head_dim,
                                                                  const float* cos, const float* sin, float* out,
