@@ -20,9 +20,8 @@ __all__ = ["Availability", "Backend", "KernelsUnavailable", "Selection", "backen
            "rotate_halves", "select", "silu_and_mul", "store_kv"]
 
 gather_kv = attention.gather_kv
-# torch's own SwiGLU everywhere: a native one rounds differently (its exp), and prompt logprobs
-# must match the transformers reference within 1e-3 (docs/cpu-kernels.md)
-silu_and_mul = layer_ops.silu_and_mul
+silu_and_mul = layer_ops.silu_and_mul  # torch's, in every backend (docs/cpu-kernels.md)
+rotate_halves = layer_ops.rotate_halves
 
 # ---- native libraries: how each says whether it can run here ----------------------------
 register_library("cpu", lambda dtype: cpu_lib.availability())
@@ -33,7 +32,6 @@ store_kv = register("store_kv", attention.store_kv)
 paged_attention = register("paged_attention", attention.paged_attention,
                            cpu=attention_cpu.paged_attention_cpu, cuda=attention_cuda.paged_attention_cuda)
 rms_norm = register("rms_norm", norm.rms_norm, cpu=norm.rms_norm_cpu)
-rotate_halves = register("rotate_halves", layer_ops.rotate_halves, cpu=layer_ops.rotate_halves_cpu)
 qmatmul = register("qmatmul", functools.partial(quant.qmatmul, force="torch"),
                    cpu=functools.partial(quant.qmatmul, force="native"))
 # the same product through a Q4 matrix repacked for the int16-activation path (batch-1 decode)

@@ -34,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LIB_NAME = "libpdserve_cpu.so"
-ABI_VERSION = 13
+ABI_VERSION = 12
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp-simd", "-pthread", "-DNDEBUG")
 UNIT_FLAGS: dict[str, tuple[str, ...]] = {
@@ -49,7 +49,7 @@ UNIT_FLAGS: dict[str, tuple[str, ...]] = {
     "extend_attention_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                     "-mavx512dq"),
     "norm_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
-    "layer_ops_avx2.cpp": ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"),  # RoPE rounds as torch does
+    "layer_ops_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
     "qgemv_packed_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                 "-mavx512dq", "-mavx512vnni"),
     "decode_block.cpp": (),
@@ -171,8 +171,6 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
                                                    ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_add_rms_norm.restype = _I
     lib.pds_cpu_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
-    lib.pds_cpu_rotary_halves.restype = _I
-    lib.pds_cpu_rotary_halves.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _I]
     lib.pds_cpu_decode_attention_block.restype = _I
     lib.pds_cpu_decode_attention_block.argtypes = [_P, _P, _P, ctypes.c_float, _I, _P, _P, _P, _I, _P, _P,
                                                    _P, _P, _P, _P, _P, _P, _P, _I64, _P, *[_I64] * 6,
@@ -318,26 +316,6 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                                       threads or num_threads())
     if status:
         raise RuntimeError(f"pds_cpu_add_rms_norm: status {status} (shape {tuple(x.shape)})")
-    return out
-
-
-def rotary_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, threads: int | None = None
-                  ) -> torch.Tensor:
-    """Rotate-half RoPE of fp32 `[T, heads, head_dim]` (heads contiguous inside a token, any
-    token stride) with cos/sin `[T, head_dim / 2]`, into a new contiguous tensor, as the fused
-    decode block computes it (the reference's roundings: no fused multiply-add)."""
-    lib = _loaded()
-    T, heads, d = x.shape
-    if x.dtype != torch.float32 or x.stride()[1:] != (d, 1) or cos.shape != (T, d // 2) \
-            or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous()) \
-            or (cos.dtype, sin.dtype) != (torch.float32, torch.float32):
-        raise ValueError("rotary_halves: fp32 x [T, heads, head_dim] (a token's heads contiguous), "
-                         "contiguous fp32 cos/sin [T, head_dim / 2]")
-    out = torch.empty(T, heads, d, dtype=torch.float32)
-    status = lib.pds_cpu_rotary_halves(x.data_ptr(), x.stride(0), T, heads, d, cos.data_ptr(), sin.data_ptr(),
-                                       out.data_ptr(), threads or num_threads())
-    if status:
-        raise RuntimeError(f"pds_cpu_rotary_halves: status {status} (shape {tuple(x.shape)})")
     return out
 
 

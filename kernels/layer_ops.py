@@ -1,7 +1,7 @@
-"""The small elementwise steps of a decoder layer on the op-by-op path (prefill, mixed steps):
-SwiGLU (torch's) and rotate-half RoPE: its torch reference, and a native CPU variant that runs
-the fused decode block's function (csrc/cpu/layer_ops_avx2.cpp, the same roundings as the
-reference) on the kernels' thread pool, so torch's ops stay off the cores."""
+"""The small elementwise steps of a decoder layer, in torch: SwiGLU and rotate-half RoPE. The
+op-by-op path (prefill, mixed steps) runs them; the fused decode block's references compose
+them (its native variant has its own, csrc/cpu/layer_ops_avx2.cpp). Native variants for the
+op-by-op path were measured and not kept (docs/cpu-kernels.md)."""
 from __future__ import annotations
 
 import torch
@@ -29,13 +29,3 @@ def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     torch.mul(x2, cos, out=o2)
     o2.add_(x1 * sin)
     return out.to(x.dtype)
-
-
-def rotate_halves_cpu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """One native call for fp32 CPU `[T, heads, D]` (a token's heads contiguous); anything else
-    runs the reference."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 3 or x.stride()[1:] != (x.shape[2], 1) \
-            or cos.dtype != torch.float32 or cos.numel() != x.shape[0] * (x.shape[2] // 2):
-        return rotate_halves(x, cos, sin)
-    half = x.shape[2] // 2
-    return cpu_lib.rotary_halves(x, cos.reshape(-1, half), sin.reshape(-1, half))

@@ -9,7 +9,6 @@
 
 #include "attention.h"
 #include "dispatch.h"
-#include "layer_ops.h"
 #include "norm.h"
 #include "qgemm.h"
 #include "scratch.h"
@@ -102,7 +101,7 @@ using namespace pds_cpu;
 
 extern "C" {
 
-__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 13; }
+__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 12; }
 
 // The instruction set `isa` (0 auto) resolves to on this CPU: 1 AVX2, 2 AVX-512 VNNI, 0 none.
 __attribute__((visibility("default"))) int pds_cpu_isa(int isa) {
@@ -220,27 +219,6 @@ __attribute__((visibility("default"))) int pds_cpu_add_rms_norm(float* x, const 
   parallel_for_chunks((rows + 3) / 4, threads, [&](int64_t c) {
     for (int64_t r = c * 4; r < std::min(rows, c * 4 + 4); ++r)
       add_rms_norm_row_avx2(x + r * dim, residual ? residual + r * dim : nullptr, w, out + r * dim, dim, eps);
-  });
-  return 0;
-}
-
-// Rotate-half RoPE of the layer-by-layer path: x [T][heads][head_dim] fp32 (token stride x_stride
-// floats, heads contiguous), cos and sin [T][head_dim / 2]; out [T][heads][head_dim] = x rotated,
-// the arithmetic of the fused decode block (torch's roundings: layer_ops_avx2.cpp is built without
-// FMA contraction). Returns 0, 1 when AVX2 is unavailable, 2 for bad arguments.
-__attribute__((visibility("default"))) int pds_cpu_rotary_halves(const float* x, int64_t x_stride, int64_t T,
-                                                                 int64_t heads, int64_t head_dim,
-                                                                 const float* cos, const float* sin, float* out,
-                                                                 int threads) {
-  if (pick(ISA_AVX2) == nullptr) return 1;
-  if (T < 0 || heads <= 0 || head_dim <= 0 || head_dim % 2 || x_stride < heads * head_dim) return 2;
-  const int64_t row = heads * head_dim, half = head_dim / 2;
-  const int64_t per = std::max<int64_t>(1, 8192 / row);  // tokens per unit
-  parallel_for_chunks((T + per - 1) / per, threads, [&](int64_t c) {
-    for (int64_t t = c * per; t < std::min(T, (c + 1) * per); ++t) {
-      std::copy(x + t * x_stride, x + t * x_stride + row, out + t * row);
-      rotary_halves_avx2(out + t * row, heads, head_dim, cos + t * half, sin + t * half);
-    }
   });
   return 0;
 }
