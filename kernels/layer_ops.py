@@ -7,8 +7,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_lib
-
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up over the last dim of x = [gate | up]."""
