@@ -26,7 +26,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--kv-cache-memory", type=_bytes, default=d.kv_cache_memory,
                    help="KV pool size per rank, e.g. 256MiB or 2GiB (sets the number of blocks; default: "
-                        "enough for one request at the full context, at least 256MiB; a pool smaller "
+                        "enough for one request at the full context, at least 1GiB; a pool smaller "
                         "than the context lowers it, or is refused with an explicit --max-model-len)")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests running at once")
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
@@ -35,6 +35,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="of that budget, the prompt tokens a step may compute when it also samples a "
                         "token (a decode, a prompt's first output): bounds the gap between a stream's "
                         "tokens (default: 256 on a CPU, none on a GPU; docs/step-budget.md)")
+    p.add_argument("--first-token-slack", type=int, default=None,
+                   help="once a step computes a prompt's last chunk (its first output), the most prompt "
+                        "tokens it takes for other prompts: prompts that arrive together start one after "
+                        "another (default: 16 on a CPU, none on a GPU; docs/step-budget.md)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's, or what --kv-cache-memory holds)")
     p.add_argument("--nvfp4-mode", default=d.nvfp4_mode, choices=["auto", "w4a16", "w4a4"],
@@ -71,7 +75,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_prefill_tokens=getattr(args, "max_prefill_tokens", None), max_model_len=args.max_model_len,
+                        max_prefill_tokens=getattr(args, "max_prefill_tokens", None),
+                        first_token_slack=getattr(args, "first_token_slack", None), max_model_len=args.max_model_len,
                         threads=args.threads or _default_threads(args), kernels=args.kernels,
                         nvfp4_mode=args.nvfp4_mode,
                         index_cache_dtype=args.index_cache_dtype, quantization=args.quantization,

@@ -230,7 +230,7 @@ def role_urls(named: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
 def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = []
     for name in ("tp", "dtype", "device", "block_size", "kv_cache_memory", "max_num_seqs",
-                 "max_num_batched_tokens", "max_prefill_tokens", "max_model_len", "threads", "index_cache_dtype", "kernels",
+                 "max_num_batched_tokens", "max_prefill_tokens", "first_token_slack", "max_model_len", "threads", "index_cache_dtype", "kernels",
                  "quantization", "host_cache_memory"):
         value = getattr(args, name, None)
         if value is not None:
@@ -574,6 +574,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     e.add_argument("--max-prefill-tokens", type=int, default=None,
                    help="prompt tokens a step computes beside a token it samples (default: 256 on a CPU; "
                         "docs/step-budget.md)")
+    e.add_argument("--first-token-slack", type=int, default=None,
+                   help="prompt tokens a step takes for other prompts once it computes a prompt's last "
+                        "chunk (default: 16 on a CPU; docs/step-budget.md)")
     e.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per worker process (default: this machine's cores divided "
                         "between the workers' processes, at least 1 each; PD's two workers on the native "

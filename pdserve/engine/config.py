@@ -21,6 +21,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512   # chunked-prefill token budget per step
     max_prefill_tokens: int | None = None  # of it, prompt tokens beside a sampled token; None: auto (prefill_budget)
+    first_token_slack: int | None = None  # prompt tokens after a prompt's last chunk; None: auto (first_token_budget)
     max_model_len: int | None = None    # default: the model's max_position_embeddings
     threads: int = 0                    # torch CPU threads (0: leave torch's setting; the CLI gives the cores' share)
     kernels: str = "auto"               # op backend: auto | torch | native (see pdserve_kernels)
@@ -45,6 +46,19 @@ class EngineConfig:
             return self.max_prefill_tokens
         return CPU_PREFILL_TOKENS if self.device.startswith("cpu") else None
 
+    def first_token_budget(self) -> int | None:
+        """Prompt tokens a step may take for other prompts once it computes a prompt's last
+        chunk (that prompt's first output): SchedulerConfig.first_token_slack.
+
+        Unset: CPU_FIRST_TOKEN_SLACK on a CPU, where each of those tokens holds the first output
+        back by its own cost and a step's fixed part is small; on a GPU none (there the fixed
+        part dominates, and prompts finishing together share it). docs/step-budget.md."""
+        if self.first_token_slack is not None:
+            if self.first_token_slack < 0:
+                raise ValueError(f"first_token_slack must be at least 0, not {self.first_token_slack}")
+            return self.first_token_slack
+        return CPU_FIRST_TOKEN_SLACK if self.device.startswith("cpu") else None
+
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.float32 if self.device == "cpu" else torch.bfloat16
@@ -54,7 +68,11 @@ class EngineConfig:
 
 
 CPU_PREFILL_TOKENS = 256  # prompt tokens beside a sampled token, by default on a CPU (docs/step-budget.md)
-AUTO_KV_MEMORY = 256 << 20  # the least an automatic KV pool gets (per rank)
+CPU_FIRST_TOKEN_SLACK = 16  # prompt tokens after a prompt's last chunk, by default on a CPU (the same)
+# The least an automatic KV pool gets (per rank): 1 GiB holds 32 streams of the default model at
+# ~700 tokens each; at 256 MiB (360 with the context) 32 streams of ~330 tokens already preempted
+# each other, and the recomputes made the 32-stream ITL p99 (docs/step-budget.md).
+AUTO_KV_MEMORY = 1 << 30
 AUTO_KV_LIMIT = 4 << 30     # an automatic pool grows to hold one full context up to this size
 
 

@@ -92,7 +92,8 @@ class LLMEngine:
         prefill_tokens = config.prefill_budget() if kv_role != KVRole.PREFILL else config.max_prefill_tokens
         self.scheduler = Scheduler(
             SchedulerConfig(config.block_size, config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                            salt, overlap=config.overlap, max_prefill_tokens=prefill_tokens),
+                            salt, overlap=config.overlap, max_prefill_tokens=prefill_tokens,
+                            first_token_slack=config.first_token_budget()),
             self.allocator, eos_token_ids(self.model_dir))
         self.runner = ModelRunner(self.model, self.pool, config.device, tp)
         # constrained decoding: only rank 0 samples, so only its cache ever compiles (lockstep.py)

@@ -59,6 +59,9 @@ class SchedulerConfig:
     # prompt's last chunk) computes only for their KV (prompt tokens, bar the last): bounds
     # the wait for a token (`_Budget`, docs/step-budget.md); None: max_num_batched_tokens only
     max_prefill_tokens: int | None = None
+    # once a prompt's last chunk (n > 1 tokens: it samples the prompt's first output) is in a
+    # step, the most prompt tokens the step takes after it (`_Budget`); None: no such bound
+    first_token_slack: int | None = None
 
 
 class _Books:
@@ -105,16 +108,25 @@ class _Budget:
     """One step's tokens (docs/step-budget.md): `tokens` left of max_num_batched_tokens; of the
     tokens computed only for their KV (`kv`: a prompt chunk's, bar the last prompt token, which
     is sampled from), at most `cap` once a request samples in the step (a decode, or a prompt's
-    last chunk): that bounds the wait for its token. A step where none samples spends them all."""
+    last chunk): that bounds the wait for its token. A step where none samples spends them all.
+
+    Once a prompt's last chunk of more than one token is in the step, the chunks of more than
+    one token after it take at most `slack` tokens in all (`slack_left`): each would hold that
+    prompt's first token back by its whole cost, while waiting a step costs it only a step's
+    fixed part, so prompts that arrive together start one after another."""
 
     tokens: int
     cap: int | None
     samples: bool
+    slack: int | None = None
     kv: int = 0
+    slack_left: int | None = None  # counting once a prompt's first token is in the step
 
     def chunk(self, pending: int) -> int:
         """How many of a request's `pending` tokens this step takes (0: none)."""
         n = min(pending, self.tokens)
+        if pending > 1 and self.slack_left is not None:  # a decode is never held back by it
+            n = min(n, self.slack_left)
         if self.cap is None:
             return n
         if n == pending:  # it samples: then the step's tokens for the KV must be within the cap
@@ -127,6 +139,10 @@ class _Budget:
         self.tokens -= n
         self.kv += n - (n == pending)
         self.samples |= n == pending
+        if pending > 1 and self.slack_left is not None:
+            self.slack_left -= n
+        elif n == pending > 1 and self.slack is not None:
+            self.slack_left = self.slack
 
 
 @dataclass
@@ -307,7 +323,7 @@ class Scheduler:
 
         batch, preempted = [], []
         budget = _Budget(cfg.max_num_batched_tokens, cfg.max_prefill_tokens,
-                         samples=any(s.num_pending == 1 for s in running))
+                         samples=any(s.num_pending == 1 for s in running), slack=cfg.first_token_slack)
         scheduled: set[str] = set()
         while running and budget.tokens > 0:
             slot = next((s for s in running if s.request_id not in scheduled), None)
