@@ -160,6 +160,23 @@ class CompletionRequest(GenerationFields):
         return self
 
 
+# The roles whose messages define these fields in the OpenAI API. On another role's message the
+# key is an extra one, where any JSON value is valid: one that does not fit the field is dropped.
+FIELD_ROLES: dict[str, frozenset[str]] = {
+    "name": frozenset({"system", "developer", "user", "assistant", "function"}),
+    "tool_calls": frozenset({"assistant"}),
+    "tool_call_id": frozenset({"tool"}),
+}
+
+
+def _fits(field: str, value: Any) -> bool:
+    if value is None:
+        return True
+    if field == "tool_calls":
+        return isinstance(value, list) and all(isinstance(call, dict) for call in value)
+    return isinstance(value, str)
+
+
 class ChatMessage(BaseModel):
     """One message; extra keys are kept because chat templates may read them."""
 
@@ -170,6 +187,18 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _foreign_fields(cls, data: Any) -> Any:
+        """Drop a field the message's role does not define (FIELD_ROLES) when its value does not
+        fit the field: a user message's `tool_calls: 5` is an unknown extra key, not an error."""
+        if not isinstance(data, dict):
+            return data
+        role = data.get("role")
+        foreign = {k for k, roles in FIELD_ROLES.items()
+                   if k in data and role not in roles and not _fits(k, data[k])}
+        return {k: v for k, v in data.items() if k not in foreign} if foreign else data
 
     @field_validator("content")
     @classmethod

@@ -52,6 +52,25 @@ def test_text_content_parts_are_joined():
     assert req.messages[0].text() == "Hello, world"
 
 
+def test_a_field_foreign_to_the_role_is_an_extra_key_but_the_roles_own_field_is_checked():
+    """The OpenAI schema lets a user message carry any extra key, `tool_calls: 5` included (the
+    schema test found it): it is dropped when it does not fit, kept when it does. An assistant
+    message's own `tool_calls` must still be a list of calls."""
+    req = ChatCompletionRequest(messages=[
+        {"role": "user", "content": "x", "tool_calls": 5, "tool_call_id": [1], "name": "ann"},
+        {"role": "tool", "content": "y", "tool_call_id": "c1", "name": {}},
+        {"role": "system", "content": "z", "tool_call_id": "kept"}])
+    user, tool, system = req.messages
+    assert (user.tool_calls, user.tool_call_id, user.name) == (None, None, "ann")
+    assert (tool.tool_call_id, tool.name) == ("c1", None)
+    assert system.tool_call_id == "kept"
+    for bad in ({"role": "assistant", "content": "x", "tool_calls": 5},
+                {"role": "tool", "content": "y", "tool_call_id": 7},
+                {"role": "user", "content": "x", "name": 3}):
+        with pytest.raises(ValidationError):
+            ChatCompletionRequest(messages=[bad])
+
+
 def test_stream_options_need_stream():
     with pytest.raises(ValidationError):
         CompletionRequest(prompt="x", stream_options={"include_usage": True})
