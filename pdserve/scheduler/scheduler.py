@@ -19,8 +19,10 @@ never preempted (it waits for held rooms to give blocks back instead).
 Step budget (`_Budget`, docs/step-budget.md): a step computes at most
 `max_num_batched_tokens` tokens; if any request samples in it (a decode, or a prompt's last
 chunk), at most `max_prefill_tokens` of them only for their KV (prompt tokens but the last),
-so that its token is not held back by a long step. Running requests come first, then waiting
-prompts in order, each chunked to what is left.
+so that its token is not held back by a long step; once a prompt's last chunk is in it, at
+most `first_token_slack` more prompt tokens, so that prompts ready together get their first
+tokens one after another. Running requests come first, then waiting prompts in order, each
+chunked to what is left.
 
 Overlap (`SchedulerConfig.overlap`, scheduler/lockstep.py): a plan is made while the previous
 step's forward still runs, so a request's newest token may not be known yet. `futures` counts,
