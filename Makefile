@@ -23,7 +23,7 @@ $(STAMP): setup.py
 # The native CPU kernels (csrc/cpu: AVX2 / AVX-512 VNNI, chosen at run time) with the system C++
 # compiler, cached in ~/.cache/pdserve/cpu-kernels by a hash of sources + flags + compiler. A
 # machine that cannot build them still sets up: the torch reference runs (logged).
-$(CPU_KERNELS): $(STAMP) $(wildcard csrc/cpu/*) kernels/cpu_lib.py
+$(CPU_KERNELS): $(STAMP) $(wildcard csrc/cpu/*) pdserve_kernels/cpu_lib.py
 	$(PY) -W ignore::RuntimeWarning -m pdserve_kernels.cpu_lib  # runpy warns: the package imports it
 	touch $(CPU_KERNELS)
 

@@ -6,9 +6,9 @@ setup(
     version="0.1.0",
     description="Prefill/decode-disaggregated LLM inference server (torch, NIXL, CUTLASS SM120)",
     python_requires=">=3.11",
-    packages=find_packages(include=["pdserve", "pdserve.*"])
-    + ["pdserve_kernels" + p[len("kernels"):] for p in find_packages(include=["kernels", "kernels.*"])],
-    package_dir={"pdserve_kernels": "kernels"},
+    # The kernels' folder has the import name: a top-level `kernels/` shadowed Hugging Face's
+    # `kernels` package (which transformers imports) wherever the repository is on sys.path.
+    packages=find_packages(include=["pdserve", "pdserve.*", "pdserve_kernels", "pdserve_kernels.*"]),
     install_requires=[
         "torch>=2.4",
         "numpy",

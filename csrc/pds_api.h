@@ -1,4 +1,4 @@
-// Public C ABI of libpdserve_kernels.so (loaded by kernels/cuda_lib.py through ctypes).
+// Public C ABI of libpdserve_kernels.so (loaded by pdserve_kernels/cuda_lib.py through ctypes).
 // Every entry returns a pds_status; pointers are raw device pointers; `stream` is a
 // cudaStream_t passed as void* so this header needs no CUDA include.
 #pragma once

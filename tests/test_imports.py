@@ -115,7 +115,7 @@ def test_find_cycle_reports_the_cycle() -> None:
 
 _IMPORT_EACH = """
 import importlib, sys, traceback
-ours = ("pdserve", "pdserve_kernels", "kernels")
+ours = ("pdserve", "pdserve_kernels")
 for name in sys.argv[1:]:
     for m in [m for m in sys.modules if m.split(".")[0] in ours]:
         del sys.modules[m]
