@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import functools
 
-from . import attention, attention_cpu, attention_cuda, cpu_lib, decode_layer, layer_ops, norm, quant
+from . import attention, attention_cpu, attention_cuda, cpu_lib, layer_blocks, layer_ops, norm, quant
 from .dispatch import (Availability, Backend, KernelsUnavailable, Selection, configure, current,
                        register, register_library, select)
 
 __all__ = ["Availability", "Backend", "KernelsUnavailable", "Selection", "backend_name", "configure",
-           "current", "decode_attention_block", "decode_layers", "decode_mlp_block", "gather_kv", "is_native",
+           "current", "attention_block", "fused_layers", "mlp_block", "gather_kv", "is_native",
            "paged_attention", "qmatmul", "qmatmul_packed", "register", "register_library", "rms_norm",
            "rotate_halves", "select", "silu_and_mul", "store_kv"]
 
@@ -36,13 +36,11 @@ qmatmul = register("qmatmul", functools.partial(quant.qmatmul, force="torch"),
                    cpu=functools.partial(quant.qmatmul, force="native"))
 # the same product through a Q4 matrix repacked for the int16-activation path (batch-1 decode)
 qmatmul_packed = register("qmatmul_packed", quant.qmatmul_packed_reference, cpu=quant.qmatmul_packed_cpu)
-# a decoder layer's decode step as two fused calls (models use them only when `is_native`)
-decode_attention_block = register("decode_attention_block", decode_layer.decode_attention_block,
-                                  cpu=decode_layer.decode_attention_block_cpu)
-decode_mlp_block = register("decode_mlp_block", decode_layer.decode_mlp_block,
-                            cpu=decode_layer.decode_mlp_block_cpu)
-# every layer of a TP = 1 decode step and the final norm as one call
-decode_layers = register("decode_layers", decode_layer.decode_layers, cpu=decode_layer.decode_layers_cpu)
+# a decoder layer's step as two fused calls (models use them only when `is_native`)
+attention_block = register("attention_block", layer_blocks.attention_block, cpu=layer_blocks.attention_block_cpu)
+mlp_block = register("mlp_block", layer_blocks.mlp_block, cpu=layer_blocks.mlp_block_cpu)
+# every layer of a TP = 1 step and the final norm as one call
+fused_layers = register("fused_layers", layer_blocks.fused_layers, cpu=layer_blocks.fused_layers_cpu)
 
 
 def is_native(op) -> bool:

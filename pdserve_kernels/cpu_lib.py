@@ -1,7 +1,7 @@
 """Build, cache and load libpdserve_cpu.so (csrc/cpu/: quantized matmuls, AVX2 and AVX-512 VNNI,
 and the packed int16-activation product, AVX-512 VNNI; paged decode attention, fused residual add + RMSNorm,
 RoPE and SwiGLU, AVX2; paged extend attention (several new tokens per sequence over the cache),
-AVX2 and AVX-512; the fused decode blocks of a decoder layer).
+AVX2 and AVX-512; the fused blocks of a decoder layer).
 
 `make setup` builds it (`python -m pdserve_kernels.cpu_lib`); a process that finds no build for
 the current sources builds it on first use (seconds, the system C++ compiler, nothing fetched).
@@ -34,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LIB_NAME = "libpdserve_cpu.so"
-ABI_VERSION = 12
+ABI_VERSION = 13
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp-simd", "-pthread", "-DNDEBUG")
 UNIT_FLAGS: dict[str, tuple[str, ...]] = {
@@ -49,12 +49,12 @@ UNIT_FLAGS: dict[str, tuple[str, ...]] = {
     "extend_attention_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                     "-mavx512dq"),
     "norm_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
-    "layer_ops_avx2.cpp": ("-mavx2", "-mfma", "-mf16c"),
+    "layer_ops_avx2.cpp": ("-mavx2", "-mfma", "-mf16c", "-ffp-contract=off"),
     "qgemv_packed_avx512.cpp": ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                                 "-mavx512dq", "-mavx512vnni"),
-    "decode_block.cpp": (),
+    "layer_block.cpp": (),
     "f16_table.cpp": ("-mf16c",),
-    "decode_stack.cpp": (),
+    "layer_stack.cpp": (),
     "work_pool.cpp": (),
 }
 ISAS = {"auto": 0, "avx2": 1, "avx512": 2}
@@ -171,16 +171,16 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
                                                    ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_add_rms_norm.restype = _I
     lib.pds_cpu_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
-    lib.pds_cpu_decode_attention_block.restype = _I
-    lib.pds_cpu_decode_attention_block.argtypes = [_P, _P, _P, ctypes.c_float, _I, _P, _P, _P, _I, _P, _P,
-                                                   _P, _P, _P, _P, _P, _P, _P, _I64, _P, *[_I64] * 6,
-                                                   ctypes.c_float, _P, _I, _I]
-    lib.pds_cpu_decode_mlp_block.restype = _I
-    lib.pds_cpu_decode_mlp_block.argtypes = [_P, _P, _P, ctypes.c_float, _I, _P, _P, _P, _I, _P, _P, _P,
-                                             _I64, _I64, _I64, _P, _I, _I]
-    lib.pds_cpu_decode_layers.restype = _I
-    lib.pds_cpu_decode_layers.argtypes = [_P, _I64, _P, _P, ctypes.c_float, _P, _P, _P, _P, _I64, _P,
-                                          *[_I64] * 7, ctypes.c_float, _P, _I, _I]
+    lib.pds_cpu_attention_block.restype = _I
+    lib.pds_cpu_attention_block.argtypes = [_P, _P, _P, ctypes.c_float, _I, _P, _P, _P, _I, _P, _P,
+                                            _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, *[_I64] * 6,
+                                            ctypes.c_float, _P, _I, _I]
+    lib.pds_cpu_mlp_block.restype = _I
+    lib.pds_cpu_mlp_block.argtypes = [_P, _P, _P, ctypes.c_float, _I, _P, _P, _P, _I, _P, _P, _P,
+                                      _I64, _I64, _I64, _P, _I, _I]
+    lib.pds_cpu_fused_layers.restype = _I
+    lib.pds_cpu_fused_layers.argtypes = [_P, _I64, _P, _P, ctypes.c_float, _P, _P, _P, _P, _I64, _P, _P,
+                                         *[_I64] * 7, ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_qmatmul_packed.restype = _I
     lib.pds_cpu_qmatmul_packed.argtypes = [_I, _P, _I64, _I64, _P, _P, _I64, _P, _I]
     lib.pds_cpu_round_int16.restype = _I
@@ -365,69 +365,73 @@ def _packed_ptrs(packed) -> tuple[int | None, int | None]:
     return (None, None) if packed is None else (packed[0].data_ptr(), packed[1].data_ptr())
 
 
-def decode_attention_block(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
-                           qkv_fmt: int, qkv_w: torch.Tensor, o_fmt: int, o_w: torch.Tensor,
-                           cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, heads: int,
-                           kv_heads: int, scale: float, out: torch.Tensor, qkv_packed=None, o_packed=None,
-                           isa: str | None = None, threads: int | None = None) -> torch.Tensor:
-    """The attention half of a decoder layer for B decode tokens in one call (csrc/cpu/
-    decode_block.cpp): `x += residual`, RMSNorm, qkv, RoPE, KV store, paged attention, o_proj into
-    `out` [B, hidden]. The caller guarantees the layouts (`pdserve_kernels.decode_layer` checks
-    them): contiguous fp32 x/residual/out/cos/sin/caches, uint8 weight blocks, int64 slots,
-    tables (rows contiguous) and lens. `*_packed`: (qs, dm) of `pack` to multiply by instead
+def attention_block(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+                    qkv_fmt: int, qkv_w: torch.Tensor, o_fmt: int, o_w: torch.Tensor,
+                    cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                    starts: torch.Tensor | None, heads: int, kv_heads: int, scale: float, out: torch.Tensor,
+                    qkv_packed=None, o_packed=None, isa: str | None = None, threads: int | None = None
+                    ) -> torch.Tensor:
+    """The attention half of a decoder layer for M token rows of B sequences in one call
+    (csrc/cpu/layer_block.cpp): `x += residual`, RMSNorm, qkv, RoPE, KV store, paged attention,
+    o_proj into `out` [M, hidden]. The caller guarantees the layouts (`pdserve_kernels.layer_blocks`
+    checks them): contiguous fp32 x/residual/out/cos/sin/caches, uint8 weight blocks, int64 slots,
+    tables (rows contiguous), lens and starts (sequence b's rows `starts[b]:starts[b+1]`; None:
+    one row a sequence). `*_packed`: (qs, dm) of `pack` to multiply by instead
     of the blocks (AVX-512), or None."""
     lib = _loaded()
-    B, hidden = x.shape
+    M, hidden = x.shape
     _, block_size, _, head_dim = k_cache.shape
-    status = lib.pds_cpu_decode_attention_block(
+    status = lib.pds_cpu_attention_block(
         x.data_ptr(), None if residual is None else residual.data_ptr(), norm_w.data_ptr(), eps, qkv_fmt,
         qkv_w.data_ptr(), *_packed_ptrs(qkv_packed), o_fmt, o_w.data_ptr(), *_packed_ptrs(o_packed),
         cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), B,
-        hidden, heads, kv_heads, head_dim, block_size, scale, out.data_ptr(), ISAS[isa or default_isa()],
-        threads or num_threads())
+        v_cache.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        None if starts is None else starts.data_ptr(), lens.numel(), hidden, heads, kv_heads, head_dim, block_size,
+        scale, out.data_ptr(), ISAS[isa or default_isa()], threads or num_threads())
     if status:
-        raise RuntimeError(f"pds_cpu_decode_attention_block: status {status} (B {B}, hidden {hidden}, "
-                           f"heads {heads}, kv_heads {kv_heads}, head_dim {head_dim})")
+        raise RuntimeError(f"pds_cpu_attention_block: status {status} (rows {M}, sequences {lens.numel()}, "
+                           f"hidden {hidden}, heads {heads}, kv_heads {kv_heads}, head_dim {head_dim})")
     return out
 
 
-def decode_mlp_block(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
-                     gu_fmt: int, gu_w: torch.Tensor, down_fmt: int, down_w: torch.Tensor, inter: int,
-                     out: torch.Tensor, gu_packed=None, down_packed=None, isa: str | None = None,
-                     threads: int | None = None) -> torch.Tensor:
+def mlp_block(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor, eps: float,
+              gu_fmt: int, gu_w: torch.Tensor, down_fmt: int, down_w: torch.Tensor, inter: int,
+              out: torch.Tensor, gu_packed=None, down_packed=None, isa: str | None = None,
+              threads: int | None = None) -> torch.Tensor:
     """The MLP half of a decoder layer in one call: `x += residual`, RMSNorm, gate/up, SwiGLU,
-    down into `out` [B, hidden] (layouts as in `decode_attention_block`)."""
+    down into `out` [M, hidden] (layouts as in `attention_block`)."""
     lib = _loaded()
-    B, hidden = x.shape
-    status = lib.pds_cpu_decode_mlp_block(
+    M, hidden = x.shape
+    status = lib.pds_cpu_mlp_block(
         x.data_ptr(), None if residual is None else residual.data_ptr(), norm_w.data_ptr(), eps, gu_fmt,
-        gu_w.data_ptr(), *_packed_ptrs(gu_packed), down_fmt, down_w.data_ptr(), *_packed_ptrs(down_packed), B,
+        gu_w.data_ptr(), *_packed_ptrs(gu_packed), down_fmt, down_w.data_ptr(), *_packed_ptrs(down_packed), M,
         hidden, inter, out.data_ptr(),
         ISAS[isa or default_isa()], threads or num_threads())
     if status:
-        raise RuntimeError(f"pds_cpu_decode_mlp_block: status {status} (B {B}, hidden {hidden}, inter {inter})")
+        raise RuntimeError(f"pds_cpu_mlp_block: status {status} (rows {M}, hidden {hidden}, inter {inter})")
     return out
 
 
-def decode_layers(table: torch.Tensor, x: torch.Tensor, final_w: torch.Tensor, eps: float, cos: torch.Tensor,
-                  sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor, heads: int,
-                  kv_heads: int, head_dim: int, block_size: int, inter: int, scale: float, out: torch.Tensor,
-                  isa: str | None = None, threads: int | None = None) -> torch.Tensor:
-    """Every layer's two decode blocks, then the final norm, in one call (csrc/cpu/decode_stack.cpp).
+def fused_layers(table: torch.Tensor, x: torch.Tensor, final_w: torch.Tensor, eps: float, cos: torch.Tensor,
+                 sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                 starts: torch.Tensor | None, heads: int,
+                 kv_heads: int, head_dim: int, block_size: int, inter: int, scale: float, out: torch.Tensor,
+                 isa: str | None = None, threads: int | None = None) -> torch.Tensor:
+    """Every layer's two blocks, then the final norm, in one call (csrc/cpu/layer_stack.cpp).
     `table`: int64 [layers, 20], one row of pointers and formats per layer
-    (`pdserve_kernels.decode_layer.DecodeStack` builds it); `x` [B, hidden] is used as scratch;
-    `out` [B, hidden] receives the normed hidden states. Layouts as in `decode_attention_block`."""
+    (`pdserve_kernels.layer_blocks.LayerStack` builds it); `x` [M, hidden] is used as scratch;
+    `out` [M, hidden] receives the normed hidden states. Layouts as in `attention_block`."""
     lib = _loaded()
-    B, hidden = x.shape
-    status = lib.pds_cpu_decode_layers(
+    M, hidden = x.shape
+    status = lib.pds_cpu_fused_layers(
         table.data_ptr(), table.shape[0], x.data_ptr(), final_w.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
-        slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(), B, hidden, heads, kv_heads,
+        slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        None if starts is None else starts.data_ptr(), lens.numel(), hidden, heads, kv_heads,
         head_dim, block_size, inter, scale, out.data_ptr(), ISAS[isa or default_isa()],
         threads or num_threads())
     if status:
-        raise RuntimeError(f"pds_cpu_decode_layers: status {status} (layers {table.shape[0]}, B {B}, "
+        raise RuntimeError(f"pds_cpu_fused_layers: status {status} (layers {table.shape[0]}, rows {M}, "
                            f"hidden {hidden}, heads {heads}, kv_heads {kv_heads}, head_dim {head_dim})")
     return out
 

@@ -1,7 +1,7 @@
 """The small elementwise steps of a decoder layer, in torch: SwiGLU and rotate-half RoPE. The
-op-by-op path (prefill, mixed steps) runs them; the fused decode block's references compose
-them (its native variant has its own, csrc/cpu/layer_ops_avx2.cpp). Native variants for the
-op-by-op path were measured and not kept (docs/cpu-kernels.md)."""
+op-by-op path runs them; the fused layer blocks' references compose them, and their native
+variant (csrc/cpu/layer_ops_avx2.cpp) computes both bit for bit as these do
+(docs/cpu-kernels.md, "Prompts through the fused blocks")."""
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,4 @@
-// What dispatch.cpp shares with the other baseline-flag units (decode_block.cpp): the run-time
+// What dispatch.cpp shares with the other baseline-flag units (layer_block.cpp): the run-time
 // choice of instruction set and the fp32-activation quantized matmul split over threads.
 #pragma once
 #include <cstdint>

@@ -1,4 +1,4 @@
-// The small elementwise steps of a decoder layer, for the fused decode blocks (decode_block.cpp):
+// The small elementwise steps of a decoder layer, for the fused layer blocks (layer_block.cpp):
 // rotary embedding on q and k heads, and SwiGLU. fp32 rows, compiled with AVX2 + FMA.
 #pragma once
 #include <cstdint>

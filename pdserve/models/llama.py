@@ -22,7 +22,7 @@ from pdserve.layers.norm import RMSNorm
 from pdserve.layers.quant import QuantConfig, linear_method
 from pdserve.layers.quant.blocks import BlockQuantLinearMethod
 from pdserve.layers.rotary import RotaryEmbedding
-from pdserve_kernels.decode_layer import DecodeStack, StackLayer
+from pdserve_kernels.layer_blocks import LayerStack, StackLayer
 
 from pdserve.weights.loading import load_tensors, require_loaded, stacked_target
 
@@ -73,17 +73,18 @@ class LlamaConfig:
 
 
 @dataclass
-class DecodeStep:
-    """Per-step inputs of the fused decode blocks, shared by every layer: RoPE's cos/sin rows
-    `[B, head_dim/2]`, int64 block tables and context lengths."""
+class FusedStep:
+    """Per-step inputs of the fused layer blocks, shared by every layer: RoPE's cos/sin rows
+    `[tokens, head_dim/2]`, int64 block tables, context lengths and query starts."""
 
     meta: AttentionMetadata
     cos: torch.Tensor
     sin: torch.Tensor
     tables: torch.Tensor
     lens: torch.Tensor
+    starts: torch.Tensor | None  # query_start_loc as int64; None when every sequence has one new token
     packed: bool  # multiply by the packed Q4 weights (the int16 path) where layers have them
-    stack: DecodeStack | None  # every layer in one call (TP = 1), else None: layer by layer
+    stack: LayerStack | None  # every layer in one call (TP = 1), else None: layer by layer
 
 
 class LlamaAttention(nn.Module):
@@ -93,7 +94,7 @@ class LlamaAttention(nn.Module):
         p = f"model.layers.{layer_idx}.self_attn"
         self.qkv_proj = QKVParallelLinear(c.hidden_size, c.head_dim, c.num_heads, c.num_kv_heads,
                                           bias=c.qkv_bias, tp=tp, method=linear_method(
-                                              quant, [f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj"]))
+                                          quant, [f"{p}.q_proj", f"{p}.k_proj", f"{p}.v_proj"]))
         self.o_proj = RowParallelLinear(c.num_heads * c.head_dim, c.hidden_size, bias=False, tp=tp,
                                         method=linear_method(quant, [f"{p}.o_proj"]))
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
@@ -119,6 +120,12 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
+def _summing(proj: RowParallelLinear) -> TPGroup | None:
+    """The TP group that sums a row-parallel projection's output (None: there is no sum, as at
+    TP = 1, so the layers can run in one native call)."""
+    return proj.tp if proj.reduce and proj.tp.size > 1 else None
+
+
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, c: LlamaConfig, layer_idx: int, tp: TPGroup, quant: QuantConfig | None = None,
                  rotary: RotaryEmbedding | None = None):
@@ -127,10 +134,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(c.hidden_size, c.intermediate_size, f"model.layers.{layer_idx}.mlp", tp, quant)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self._decode_args: tuple | None = None  # decode_args(), kept after the first decode step
+        self._fused_args: tuple | None = None  # fused_args(), kept after the first fused step
 
-    def can_fuse_decode(self) -> bool:
-        """Whether this layer's shape fits the fused decode blocks: every projection in GGUF
+    def can_fuse(self) -> bool:
+        """Whether this layer's shape fits the fused layer blocks: every projection in GGUF
         blocks, no biases, no q/k norm, rotate-half RoPE, fp32 norms."""
         a, m = self.self_attn, self.mlp
         linears = (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)
@@ -138,26 +145,26 @@ class LlamaDecoderLayer(nn.Module):
                 and not a.qk_norm and not a.rotary.interleaved
                 and self.input_layernorm.weight.dtype == self.post_attention_layernorm.weight.dtype == torch.float32)
 
-    def decode(self, x: torch.Tensor, residual: torch.Tensor | None, step: "DecodeStep"
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward` for a decode-only batch in two native calls (pdserve_kernels.decode_layer),
+    def fused(self, x: torch.Tensor, residual: torch.Tensor | None, step: "FusedStep"
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward` in two native calls (pdserve_kernels.layer_blocks),
         the tensor-parallel sums between them as in `forward`."""
-        if self._decode_args is None:  # the same every step: gathered once, not 30 lookups a layer
-            self._decode_args = self.decode_args()
-        attn, mlp, attn_packed, mlp_packed, attn_tp, mlp_tp = self._decode_args
+        if self._fused_args is None:  # the same every step: gathered once, not 30 lookups a layer
+            self._fused_args = self.fused_args()
+        attn, mlp, attn_packed, mlp_packed, attn_tp, mlp_tp = self._fused_args
         cache = step.meta.kv_caches[self.self_attn.attn.layer_idx]
-        y = ops.decode_attention_block(  # x += residual: x becomes the residual stream
+        y = ops.attention_block(  # x += residual: x becomes the residual stream
             x, residual, *attn[0], step.cos, step.sin, cache["k"], cache["v"], step.meta.slot_mapping,
-            step.tables, step.lens, *attn[1], *(attn_packed if step.packed else (None, None)))
+            step.tables, step.lens, step.starts, *attn[1], *(attn_packed if step.packed else (None, None)))
         if attn_tp is not None:
             y = attn_tp.all_reduce(y)
-        z = ops.decode_mlp_block(y, x, *mlp, *(mlp_packed if step.packed else (None, None)))
+        z = ops.mlp_block(y, x, *mlp, *(mlp_packed if step.packed else (None, None)))
         if mlp_tp is not None:
             z = mlp_tp.all_reduce(z)
         return z, y  # y now holds x + attention: the residual stream
 
-    def decode_args(self) -> tuple:
-        """What `decode` passes besides the step's tensors: weights, formats, packed copies, and
+    def fused_args(self) -> tuple:
+        """What `fused` passes besides the step's tensors: weights, formats, packed copies, and
         the TP group of each row-parallel projection that sums its output (None: no sum)."""
         a, m = self.self_attn, self.mlp
         n1, n2 = self.input_layernorm, self.post_attention_layernorm
@@ -166,13 +173,13 @@ class LlamaDecoderLayer(nn.Module):
         mlp = (n2.weight, n2.eps, m.gate_up_proj.weight, m.gate_up_proj.method.fmt, m.down_proj.weight,
                m.down_proj.method.fmt)
         return (attn, mlp, (a.qkv_proj.packed, a.o_proj.packed), (m.gate_up_proj.packed, m.down_proj.packed),
-                a.o_proj.tp if a.o_proj.reduce else None, m.down_proj.tp if m.down_proj.reduce else None)
+                _summing(a.o_proj), _summing(m.down_proj))
 
     def stack_layer(self, cache: dict[str, torch.Tensor]) -> StackLayer | None:
-        """This layer for `decode_layers` (None when a projection sums over TP ranks)."""
-        if self._decode_args is None:
-            self._decode_args = self.decode_args()
-        attn, (n2, eps2, gu, gu_fmt, down, down_fmt), attn_packed, mlp_packed, attn_tp, mlp_tp = self._decode_args
+        """This layer for `fused_layers` (None when a projection sums over TP ranks)."""
+        if self._fused_args is None:
+            self._fused_args = self.fused_args()
+        attn, (n2, eps2, gu, gu_fmt, down, down_fmt), attn_packed, mlp_packed, attn_tp, mlp_tp = self._fused_args
         (n1, eps1, qkv, qkv_fmt, o, o_fmt), _ = attn
         if attn_tp is not None or mlp_tp is not None or eps1 != eps2:
             return None
@@ -197,42 +204,44 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(c.head_dim, c.rope_theta, c.rope_scaling)
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, i, tp, quant, rotary) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self._fusable: bool | None = None  # every layer fits the fused decode blocks (set on first use)
-        self._stack: tuple[object, bool, DecodeStack | None] | None = None  # (KV caches, packed, stack)
+        self._fusable: bool | None = None  # every layer fits the fused layer blocks (set on first use)
+        self._stack: tuple[object, bool, LayerStack | None] | None = None  # (KV caches, packed, stack)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = self.embed_tokens(ids), None
-        step = self.decode_step(x, positions, meta)
+        step = self.fused_step(x, positions, meta)
         if step is not None and step.stack is not None:  # every layer and the final norm: one call
-            return ops.decode_layers(x, step.stack, step.cos, step.sin, meta.slot_mapping, step.tables, step.lens)
+            return ops.fused_layers(x, step.stack, step.cos, step.sin, meta.slot_mapping, step.tables, step.lens,
+                                    step.starts)
         for layer in self.layers:
             if step is not None:
-                x, residual = layer.decode(x, residual, step)
+                x, residual = layer.fused(x, residual, step)
             else:
                 x, residual = layer(x, residual, positions, meta)
         return self.norm(x, residual)[0]
 
-    def decode_step(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-                    ) -> "DecodeStep | None":
-        """What the fused decode blocks read, once per step; None when this step takes the
-        op-by-op path (not a decode-only fp32 CPU batch, the fused ops not native here, or a
+    def fused_step(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                   ) -> "FusedStep | None":
+        """What the fused layer blocks read, once per step; None when this step takes the
+        op-by-op path (not an fp32 CPU batch, the fused ops not native here, or a
         layer shape they do not cover)."""
         if self._fusable is None:
-            self._fusable = all(layer.can_fuse_decode() for layer in self.layers)
+            self._fusable = all(layer.can_fuse() for layer in self.layers)
         n = len(meta.context_lens)
-        if not (self._fusable and ops.is_native(ops.decode_attention_block) and x.device.type == "cpu"
-                and x.dtype == torch.float32 and n and meta.query_start_loc[-1] == n == x.shape[0]
+        if not (self._fusable and ops.is_native(ops.attention_block) and x.device.type == "cpu"
+                and x.dtype == torch.float32 and n and meta.query_start_loc[-1] == x.shape[0]
                 and meta.kv_caches[0]["k"].dtype == torch.float32):
             return None
         cos, sin = self.layers[0].self_attn.rotary.cos_sin(positions)
         packed = ops.is_native(ops.qmatmul_packed)
-        return DecodeStep(meta, cos[:, 0], sin[:, 0], meta.block_tables.to(torch.int64).contiguous(),
-                          torch.tensor(meta.context_lens, dtype=torch.int64), packed,
-                          self.decode_stack(meta.kv_caches, packed) if ops.is_native(ops.decode_layers) else None)
+        starts = None if x.shape[0] == n else torch.tensor(meta.query_start_loc, dtype=torch.int64)
+        return FusedStep(meta, cos[:, 0], sin[:, 0], meta.block_tables.to(torch.int64).contiguous(),
+                         torch.tensor(meta.context_lens, dtype=torch.int64), starts, packed,
+                         self.layer_stack(meta.kv_caches, packed) if ops.is_native(ops.fused_layers) else None)
 
-    def decode_stack(self, kv_caches: list[dict[str, torch.Tensor]], packed: bool) -> DecodeStack | None:
-        """The layers for `decode_layers`, gathered once per KV cache; None when a layer sums over
-        TP ranks between its blocks or the norms differ in eps (then `decode` runs layer by layer)."""
+    def layer_stack(self, kv_caches: list[dict[str, torch.Tensor]], packed: bool) -> LayerStack | None:
+        """The layers for `fused_layers`, gathered once per KV cache; None when a layer sums over
+        TP ranks between its blocks or the norms differ in eps (then `fused` runs layer by layer)."""
         if self._stack is not None and self._stack[0] is kv_caches and self._stack[1] == packed:
             return self._stack[2]
         layers = [layer.stack_layer(kv_caches[i]) for i, layer in enumerate(self.layers)]
@@ -240,8 +249,8 @@ class LlamaModel(nn.Module):
         if all(l is not None for l in layers) and len({layer.input_layernorm.eps for layer in self.layers}
                                                       | {self.norm.eps}) == 1:
             a = self.layers[0].self_attn
-            stack = DecodeStack(layers, self.norm.weight, self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim,
-                                self.layers[0].mlp.gate_up_proj.weight.shape[0] // 2, a.attn.scale, packed)
+            stack = LayerStack(layers, self.norm.weight, self.norm.eps, a.num_heads, a.num_kv_heads, a.head_dim,
+                               self.layers[0].mlp.gate_up_proj.weight.shape[0] // 2, a.attn.scale, packed)
         self._stack = (kv_caches, packed, stack)
         return stack
 

@@ -30,7 +30,7 @@ def test_auto_on_cpu_takes_the_native_cpu_kernels_when_built():
     assert avail, f"make setup builds the native CPU kernels: {avail.reason}"
     sel = ops.configure("cpu", torch.float32, "auto")
     assert sel.backend is Backend.NATIVE
-    assert sel.native_ops == ("decode_attention_block", "decode_layers", "decode_mlp_block", "paged_attention",
+    assert sel.native_ops == ("attention_block", "fused_layers", "mlp_block", "paged_attention",
                               "qmatmul", "qmatmul_packed", "rms_norm")
     assert sel.torch_ops == ("store_kv",)
     assert ops.qmatmul.impl is dispatch.OPS["qmatmul"].native["cpu"]

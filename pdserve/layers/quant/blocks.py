@@ -34,7 +34,7 @@ class BlockQuantLinearMethod(LinearMethod):
                                    f"a multiple of the {self.fmt.name} block ({BLOCK})")
         layer.weight = nn.Parameter(torch.empty(out_features, self.fmt.row_bytes(in_features),
                                                 dtype=torch.uint8), requires_grad=False)
-        layer.packed = None  # the weight repacked for the fused decode blocks (set by finish)
+        layer.packed = None  # the weight repacked for the fused layer blocks (set by finish)
 
     def load(self, layer: nn.Module, param: str, source, name: str, shard: Shard) -> None:
         if param != "weight":

@@ -1,11 +1,13 @@
-"""The fused decode blocks of a decoder layer (csrc/cpu/decode_block.cpp: one native call for
-the attention half, one for the MLP half) against their torch references (pdserve_kernels.
-decode_layer), which compose the reference ops: rms_norm, dequantize-then-matmul, rotate-half
+"""The fused blocks of a decoder layer (csrc/cpu/layer_block.cpp: one native call for the
+attention half, one for the MLP half) against their torch references (pdserve_kernels.
+layer_blocks), which compose the reference ops: rms_norm, dequantize-then-matmul, rotate-half
 RoPE, store_kv and paged attention.
 
 Random weights in each block format, scattered and padded block tables, contexts on and off block
 boundaries, GQA, a head size that is not a multiple of the SIMD width (24), hidden sizes of a few
-blocks, the first layer's call (no residual) and a later one, on each instruction set.
+blocks, the first layer's call (no residual) and a later one, on each instruction set; decode
+batches (one new token a sequence) and extend batches (prompt chunks over a cached prefix, a whole
+prompt, decode rows among them).
 
 Bound, and why: both sides compute in fp32 from the same inputs and differ only in summation
 order and in the exp polynomial (≈2e-7 relative). A matmul output's error is at most about
@@ -20,7 +22,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdserve_kernels import cpu_lib, decode_layer
+from pdserve_kernels import cpu_lib, layer_blocks
 from pdserve_kernels.quant import Q4_0, Q4_1, Q8_0, pack_q4, quantize
 
 ISAS = [isa for isa in ("avx2", "avx512") if cpu_lib.isa_supported(isa)]
@@ -30,7 +32,10 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float) -> None:
     torch.testing.assert_close(actual, expected, rtol=rel, atol=rel * float(expected.abs().max()))
 
 
-def _tables(lens: list[int], block_size: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _tables(lens: list[int], block_size: int, g: torch.Generator, new: list[int] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Scattered, padded block tables for contexts `lens`, and the cache slots of each sequence's
+    last `new[b]` tokens (default one), in order."""
     per_seq = [(n + block_size - 1) // block_size for n in lens]
     num_blocks = sum(per_seq) + 2
     order = torch.randperm(num_blocks, generator=g)
@@ -39,39 +44,45 @@ def _tables(lens: list[int], block_size: int, g: torch.Generator) -> tuple[torch
     for i, n in enumerate(per_seq):
         tables[i, :n] = order[used:used + n]
         used += n
-    slots = torch.tensor([int(tables[i, (n - 1) // block_size]) * block_size + (n - 1) % block_size
-                          for i, n in enumerate(lens)])
+    new = new or [1] * len(lens)
+    slots = torch.tensor([int(tables[i, p // block_size]) * block_size + p % block_size
+                          for i, n in enumerate(lens) for p in range(n - new[i], n)])
     return tables, slots, num_blocks
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("lens,hidden,heads,kv_heads,head_dim,fmts,first", [
-    ([1], 96, 3, 1, 32, (Q4_1, Q4_1), True),
-    ([17, 40, 5], 64, 4, 2, 24, (Q8_0, Q4_0), False),
-    ([33, 16], 128, 2, 2, 64, (Q4_0, Q8_0), False),
+@pytest.mark.parametrize("lens,new,hidden,heads,kv_heads,head_dim,fmts,first", [
+    ([1], None, 96, 3, 1, 32, (Q4_1, Q4_1), True),
+    ([17, 40, 5], None, 64, 4, 2, 24, (Q8_0, Q4_0), False),
+    ([33, 16], None, 128, 2, 2, 64, (Q4_0, Q8_0), False),
+    ([21], [21], 96, 3, 1, 32, (Q4_1, Q4_1), True),                # a whole prompt
+    ([70, 9, 40], [23, 1, 40], 64, 4, 2, 24, (Q8_0, Q4_0), False),  # over a cached prefix, a decode row
+    ([50, 16], [1, 1], 128, 2, 2, 64, (Q4_0, Q8_0), False),         # decode rows, starts given
 ])
-def test_attention_block_equals_reference(isa, lens, hidden, heads, kv_heads, head_dim, fmts, first):
-    g = torch.Generator().manual_seed(len(lens) * hidden)
+def test_attention_block_equals_reference(isa, lens, new, hidden, heads, kv_heads, head_dim, fmts, first):
+    g = torch.Generator().manual_seed(len(lens) * hidden + sum(new or []))
     B, block_size = len(lens), 16
-    tables, slots, num_blocks = _tables(lens, block_size, g)
-    x = torch.randn(B, hidden, generator=g)
-    residual = None if first else torch.randn(B, hidden, generator=g)
+    tables, slots, num_blocks = _tables(lens, block_size, g, new)
+    M = len(slots)
+    starts = None if new is None else torch.tensor([0, *new]).cumsum(0)
+    x = torch.randn(M, hidden, generator=g)
+    residual = None if first else torch.randn(M, hidden, generator=g)
     norm_w = torch.rand(hidden, generator=g) + 0.5
     qkv_w = quantize(torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g) * 0.1, fmts[0])
     o_w = quantize(torch.randn(hidden, heads * head_dim, generator=g) * 0.1, fmts[1])
-    angles = torch.rand(B, head_dim // 2, generator=g) * 6.28
+    angles = torch.rand(M, head_dim // 2, generator=g) * 6.28
     cos, sin = angles.cos(), angles.sin()
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
     lens_t = torch.tensor(lens)
     args = (0.1 if first else 1e-5, qkv_w, fmts[0], o_w, fmts[1], cos, sin)
     x_ref, kc_ref, vc_ref = x.clone(), k_cache.clone(), v_cache.clone()
-    ref = decode_layer.decode_attention_block(x_ref, residual, norm_w, *args, kc_ref, vc_ref, slots, tables,
-                                              lens_t, heads, kv_heads, head_dim ** -0.5)
-    out = torch.empty(B, hidden)
-    cpu_lib.decode_attention_block(x, residual, norm_w, args[0], fmts[0].code, qkv_w, fmts[1].code, o_w, cos,
-                                   sin, k_cache, v_cache, slots, tables, lens_t, heads, kv_heads,
-                                   head_dim ** -0.5, out, isa=isa)
+    ref = layer_blocks.attention_block(x_ref, residual, norm_w, *args, kc_ref, vc_ref, slots, tables,
+                                       lens_t, starts, heads, kv_heads, head_dim ** -0.5)
+    out = torch.empty(M, hidden)
+    cpu_lib.attention_block(x, residual, norm_w, args[0], fmts[0].code, qkv_w, fmts[1].code, o_w, cos,
+                            sin, k_cache, v_cache, slots, tables, lens_t, starts, heads, kv_heads,
+                            head_dim ** -0.5, out, isa=isa)
     _close(out, ref, 1e-4)
     _close(x, x_ref, 1e-5)  # the residual stream (x + residual), or x untouched
     _close(k_cache, kc_ref, 1e-5)
@@ -92,10 +103,10 @@ def test_mlp_block_equals_reference(isa, B, hidden, inter, fmts, first):
     gu_w = quantize(torch.randn(2 * inter, hidden, generator=g) * 0.2, fmts[0])
     down_w = quantize(torch.randn(hidden, inter, generator=g) * 0.2, fmts[1])
     x_ref = x.clone()
-    ref = decode_layer.decode_mlp_block(x_ref, residual, norm_w, 1e-5, gu_w, fmts[0], down_w, fmts[1])
+    ref = layer_blocks.mlp_block(x_ref, residual, norm_w, 1e-5, gu_w, fmts[0], down_w, fmts[1])
     out = torch.empty(B, hidden)
-    cpu_lib.decode_mlp_block(x, residual, norm_w, 1e-5, fmts[0].code, gu_w, fmts[1].code, down_w, inter, out,
-                             isa=isa)
+    cpu_lib.mlp_block(x, residual, norm_w, 1e-5, fmts[0].code, gu_w, fmts[1].code, down_w, inter, out,
+                      isa=isa)
     _close(out, ref, 1e-4)
     _close(x, x_ref, 1e-5)
 
@@ -108,15 +119,15 @@ def test_op_api_variant_runs_native_and_falls_back_on_other_layouts():
     norm_w = torch.rand(64, generator=g) + 0.5
     gu_w = quantize(torch.randn(192, 64, generator=g) * 0.2, Q4_1)
     down_w = quantize(torch.randn(64, 96, generator=g) * 0.2, Q4_1)
-    ref = decode_layer.decode_mlp_block(x.clone(), None, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_1)
-    _close(decode_layer.decode_mlp_block_cpu(x.clone(), None, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_1), ref, 1e-4)
+    ref = layer_blocks.mlp_block(x.clone(), None, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_1)
+    _close(layer_blocks.mlp_block_cpu(x.clone(), None, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_1), ref, 1e-4)
     strided = torch.randn(64, 3, generator=g).T.copy_(x)
-    _close(decode_layer.decode_mlp_block_cpu(strided, None, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_1), ref, 1e-4)
+    _close(layer_blocks.mlp_block_cpu(strided, None, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_1), ref, 1e-4)
 
 
 @pytest.mark.skipif(not cpu_lib.isa_supported("avx512"), reason="the packed path is AVX-512 only")
-@pytest.mark.parametrize("B", [1, 2, 5])
-def test_blocks_with_packed_weights_equal_their_reference(B):
+@pytest.mark.parametrize("B,new", [(1, None), (2, None), (5, None), (3, [12, 1, 7])])
+def test_blocks_with_packed_weights_equal_their_reference(B, new):
     """With packed Q4 weights every projection multiplies int16-rounded activations (the packed
     int16 kernel at any row count): the reference rounds the same
     way, so only summation order differs (1e-4 as for the fp32 blocks). Against the fp32
@@ -126,38 +137,40 @@ def test_blocks_with_packed_weights_equal_their_reference(B):
     g = torch.Generator().manual_seed(11 + B)
     hidden, heads, kv_heads, head_dim, inter, block_size = 96, 3, 1, 32, 160, 16
     lens = [20, 3, 7, 1, 40][:B]
-    tables, slots, num_blocks = _tables(lens, block_size, g)
-    x = torch.randn(B, hidden, generator=g)
-    residual = torch.randn(B, hidden, generator=g)
+    tables, slots, num_blocks = _tables(lens, block_size, g, new)
+    M = len(slots)
+    starts = None if new is None else torch.tensor([0, *new]).cumsum(0)
+    x = torch.randn(M, hidden, generator=g)
+    residual = torch.randn(M, hidden, generator=g)
     norm_w = torch.rand(hidden, generator=g) + 0.5
     qkv_w = quantize(torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g) * 0.1, Q4_1)
     o_w = quantize(torch.randn(hidden, heads * head_dim, generator=g) * 0.1, Q4_0)
-    angles = torch.rand(B, head_dim // 2, generator=g) * 6.28
+    angles = torch.rand(M, head_dim // 2, generator=g) * 6.28
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    attn = (angles.cos(), angles.sin(), k_cache, v_cache, slots, tables, torch.tensor(lens), heads, kv_heads,
-            head_dim ** -0.5)
+    attn = (angles.cos(), angles.sin(), k_cache, v_cache, slots, tables, torch.tensor(lens), starts, heads,
+            kv_heads, head_dim ** -0.5)
     packed = {"qkv_packed": pack_q4(qkv_w, Q4_1), "o_packed": pack_q4(o_w, Q4_0)}
-    fp32 = decode_layer.decode_attention_block(x.clone(), residual, norm_w, 1e-5, qkv_w, Q4_1, o_w, Q4_0,
-                                               *attn[:2], k_cache.clone(), v_cache.clone(), *attn[4:])
-    ref = decode_layer.decode_attention_block(x.clone(), residual, norm_w, 1e-5, qkv_w, Q4_1, o_w, Q4_0,
-                                              *attn[:2], k_cache.clone(), v_cache.clone(), *attn[4:], **packed)
-    out = decode_layer.decode_attention_block_cpu(x.clone(), residual, norm_w, 1e-5, qkv_w, Q4_1, o_w, Q4_0,
-                                                  *attn, **packed)
+    fp32 = layer_blocks.attention_block(x.clone(), residual, norm_w, 1e-5, qkv_w, Q4_1, o_w, Q4_0,
+                                        *attn[:2], k_cache.clone(), v_cache.clone(), *attn[4:])
+    ref = layer_blocks.attention_block(x.clone(), residual, norm_w, 1e-5, qkv_w, Q4_1, o_w, Q4_0,
+                                       *attn[:2], k_cache.clone(), v_cache.clone(), *attn[4:], **packed)
+    out = layer_blocks.attention_block_cpu(x.clone(), residual, norm_w, 1e-5, qkv_w, Q4_1, o_w, Q4_0,
+                                           *attn, **packed)
     _close(out, ref, 1e-4)
     _close(out, fp32, 1e-3)
     gu_w = quantize(torch.randn(2 * inter, hidden, generator=g) * 0.2, Q4_1)
     down_w = quantize(torch.randn(hidden, inter, generator=g) * 0.2, Q4_0)
     packed = (pack_q4(gu_w, Q4_1), pack_q4(down_w, Q4_0))
-    fp32 = decode_layer.decode_mlp_block(x.clone(), residual, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_0)
-    ref = decode_layer.decode_mlp_block(x.clone(), residual, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_0, *packed)
-    out = decode_layer.decode_mlp_block_cpu(x.clone(), residual, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_0, *packed)
+    fp32 = layer_blocks.mlp_block(x.clone(), residual, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_0)
+    ref = layer_blocks.mlp_block(x.clone(), residual, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_0, *packed)
+    out = layer_blocks.mlp_block_cpu(x.clone(), residual, norm_w, 1e-5, gu_w, Q4_1, down_w, Q4_0, *packed)
     _close(out, ref, 1e-4)
     _close(out, fp32, 1e-3)
 
 
 def _stack(g: torch.Generator, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int,
-           num_blocks: int, block_size: int, fmts) -> decode_layer.DecodeStack:
+           num_blocks: int, block_size: int, fmts) -> layer_blocks.LayerStack:
     def w(n, k, fmt, s):
         return quantize(torch.randn(n, k, generator=g) * s, fmt)
 
@@ -165,43 +178,46 @@ def _stack(g: torch.Generator, layers: int, hidden: int, heads: int, kv_heads: i
     for i in range(layers):
         f = fmts[i % len(fmts)]
         cache = (num_blocks, block_size, kv_heads, head_dim)
-        out.append(decode_layer.StackLayer(
+        out.append(layer_blocks.StackLayer(
             torch.rand(hidden, generator=g) + 0.5, torch.rand(hidden, generator=g) + 0.5,
             (w((heads + 2 * kv_heads) * head_dim, hidden, f, 0.1), w(hidden, heads * head_dim, f, 0.1),
-             w(2 * inter, hidden, f, 0.2), w(hidden, inter, f, 0.2)), (f,) * 4, (None,) * 4,
+               w(2 * inter, hidden, f, 0.2), w(hidden, inter, f, 0.2)), (f,) * 4, (None,) * 4,
             torch.randn(*cache, generator=g), torch.randn(*cache, generator=g)))
-    return decode_layer.DecodeStack(out, torch.rand(hidden, generator=g) + 0.5, 1e-5, heads, kv_heads, head_dim,
-                                    inter, head_dim ** -0.5, use_packed=False)
+    return layer_blocks.LayerStack(out, torch.rand(hidden, generator=g) + 0.5, 1e-5, heads, kv_heads, head_dim,
+                                   inter, head_dim ** -0.5, use_packed=False)
 
 
 @pytest.mark.parametrize("isa", ISAS)
-def test_whole_stack_call_equals_the_blocks_layer_by_layer_and_the_reference(isa):
-    """`decode_layers` (every layer and the final norm in one native call) gives the per-layer
+@pytest.mark.parametrize("new", [None, [17, 1]], ids=["decode", "extend"])
+def test_whole_stack_call_equals_the_blocks_layer_by_layer_and_the_reference(isa, new):
+    """`fused_layers` (every layer and the final norm in one native call) gives the per-layer
     native blocks' result bit for bit (the same kernels in the same order, the residual stream
     carried as the model carries it) and the reference's within the blocks' bound; the caches
     receive the same keys and values."""
     g = torch.Generator().manual_seed(3)
     hidden, heads, kv_heads, head_dim, inter, block_size = 96, 3, 1, 32, 160, 16
     lens = [20, 3]
-    tables, slots, num_blocks = _tables(lens, block_size, g)
+    tables, slots, num_blocks = _tables(lens, block_size, g, new)
+    M = len(slots)
     stack = _stack(g, 3, hidden, heads, kv_heads, head_dim, inter, num_blocks, block_size, (Q4_1, Q8_0, Q4_0))
-    angles = torch.rand(2, head_dim // 2, generator=g) * 6.28
-    step = (angles.cos(), angles.sin(), slots, tables, torch.tensor(lens))
-    x = torch.randn(2, hidden, generator=g)
+    angles = torch.rand(M, head_dim // 2, generator=g) * 6.28
+    starts = None if new is None else torch.tensor([0, *new]).cumsum(0)
+    step = (angles.cos(), angles.sin(), slots, tables, torch.tensor(lens), starts)
+    x = torch.randn(M, hidden, generator=g)
 
     def caches(s):
         return [(L.k_cache.clone(), L.v_cache.clone()) for L in s.layers]
 
     def with_caches(s, cs):
-        return decode_layer.DecodeStack([decode_layer.StackLayer(L.attn_norm, L.mlp_norm, L.weights, L.fmts, L.packed,
-                                                                 *c) for L, c in zip(s.layers, cs)],
-                                        s.final_norm, s.eps, s.heads, s.kv_heads, s.head_dim, s.inter, s.scale, False)
+        return layer_blocks.LayerStack([layer_blocks.StackLayer(L.attn_norm, L.mlp_norm, L.weights, L.fmts, L.packed,
+                                                                *c) for L, c in zip(s.layers, cs)],
+                                       s.final_norm, s.eps, s.heads, s.kv_heads, s.head_dim, s.inter, s.scale, False)
 
     ref_stack, cpu_stack = with_caches(stack, caches(stack)), with_caches(stack, caches(stack))
-    ref = decode_layer.decode_layers(x.clone(), ref_stack, *step)
+    ref = layer_blocks.fused_layers(x.clone(), ref_stack, *step)
     out = torch.empty_like(x)
-    cpu_lib.decode_layers(cpu_stack.table(), x.clone(), cpu_stack.final_norm, 1e-5, *step[:2], *step[2:],
-                          heads, kv_heads, head_dim, block_size, inter, head_dim ** -0.5, out, isa=isa)
+    cpu_lib.fused_layers(cpu_stack.table(), x.clone(), cpu_stack.final_norm, 1e-5, *step[:2], *step[2:],
+                         heads, kv_heads, head_dim, block_size, inter, head_dim ** -0.5, out, isa=isa)
     _close(out, ref, 1e-4)
     for a, b in zip(cpu_stack.layers, ref_stack.layers):
         _close(a.k_cache, b.k_cache, 1e-5)
@@ -209,11 +225,11 @@ def test_whole_stack_call_equals_the_blocks_layer_by_layer_and_the_reference(isa
     by_layer, residual, h = with_caches(stack, caches(stack)), None, x.clone()
     for L in by_layer.layers:
         y = torch.empty_like(h)
-        cpu_lib.decode_attention_block(h, residual, L.attn_norm, 1e-5, L.fmts[0].code, L.weights[0], L.fmts[1].code,
-                                       L.weights[1], *step[:2], L.k_cache, L.v_cache, *step[2:], heads, kv_heads,
-                                       head_dim ** -0.5, y, isa=isa)
+        cpu_lib.attention_block(h, residual, L.attn_norm, 1e-5, L.fmts[0].code, L.weights[0], L.fmts[1].code,
+                                L.weights[1], *step[:2], L.k_cache, L.v_cache, *step[2:], heads, kv_heads,
+                                head_dim ** -0.5, y, isa=isa)
         z = torch.empty_like(h)
-        cpu_lib.decode_mlp_block(y, h, L.mlp_norm, 1e-5, L.fmts[2].code, L.weights[2], L.fmts[3].code, L.weights[3],
-                                 inter, z, isa=isa)
+        cpu_lib.mlp_block(y, h, L.mlp_norm, 1e-5, L.fmts[2].code, L.weights[2], L.fmts[3].code, L.weights[3],
+                          inter, z, isa=isa)
         h, residual = z, y
     assert torch.equal(out, cpu_lib.add_rms_norm(h, residual, stack.final_norm, 1e-5))
