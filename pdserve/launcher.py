@@ -230,8 +230,8 @@ def role_urls(named: Iterable[tuple[str, str]]) -> dict[str, list[str]]:
 def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = []
     for name in ("tp", "dtype", "device", "block_size", "kv_cache_memory", "max_num_seqs",
-                 "max_num_batched_tokens", "max_prefill_tokens", "first_token_slack", "max_model_len", "threads", "index_cache_dtype", "kernels",
-                 "quantization", "host_cache_memory"):
+                 "max_num_batched_tokens", "max_prefill_tokens", "first_token_slack", "max_model_len", "threads",
+                 "index_cache_dtype", "kernels", "quantization", "host_cache_memory"):
         value = getattr(args, name, None)
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]

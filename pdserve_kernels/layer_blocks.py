@@ -67,6 +67,10 @@ def _fp32_rows(*tensors: torch.Tensor | None) -> bool:
                for t in tensors)
 
 
+def _int64_rows(*tensors: torch.Tensor | None) -> bool:
+    return all(t is None or (t.dtype == torch.int64 and t.stride(-1) == 1) for t in tensors)
+
+
 def attention_block_cpu(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torch.Tensor,
                         eps: float, qkv_w: torch.Tensor, qkv_fmt: BlockFormat, o_w: torch.Tensor,
                         o_fmt: BlockFormat, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -77,9 +81,8 @@ def attention_block_cpu(x: torch.Tensor, residual: torch.Tensor | None, norm_w: 
     """One native call (same arguments and result as the reference; packed weights, when given,
     multiply every row, so that a row's result never depends on the batch's size); other
     layouts run the reference."""
-    ints = (slots, tables, lens) if starts is None else (slots, tables, lens, starts)
     if not (_fp32_rows(x, residual, norm_w, cos, sin, k_cache, v_cache)
-            and all(t.dtype == torch.int64 and t.stride(-1) == 1 for t in ints)
+            and _int64_rows(slots, tables, lens, starts)
             and qkv_w.dtype == o_w.dtype == torch.uint8 and qkv_w.is_contiguous() and o_w.is_contiguous()
             and k_cache.shape[-2] == kv_heads and k_cache.shape[-1] % 2 == 0):
         return attention_block(x, residual, norm_w, eps, qkv_w, qkv_fmt, o_w, o_fmt, cos, sin,
@@ -173,8 +176,7 @@ def fused_layers_cpu(x: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin:
     blocks'); layouts the kernel does not take run the reference."""
     first = stack.layers[0]
     if not (_fp32_rows(x, cos, sin, first.k_cache, first.v_cache, stack.final_norm)
-            and all(t.dtype == torch.int64 and t.stride(-1) == 1
-                    for t in ((slots, tables, lens) if starts is None else (slots, tables, lens, starts)))
+            and _int64_rows(slots, tables, lens, starts)
             and first.k_cache.shape[-2] == stack.kv_heads and stack.head_dim % 2 == 0):
         return fused_layers(x, stack, cos, sin, slots, tables, lens, starts)
     out = torch.empty_like(x)

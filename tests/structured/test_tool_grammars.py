@@ -299,7 +299,7 @@ def test_the_grammar_starts_after_the_prompts_reasoning_or_lets_the_model_open_o
 
     think = fam.profile.think
     if think is None:
-        pytest.skip("no reasoning markers")
+        pytest.skip(f"{fam.name} has no reasoning markers, so no reasoning for the grammar to start after")
     req = chat(tools=TOOLS, tool_choice="required")
     policy = ToolPolicy.of(req)
     constraint = (policy.call_grammar(fam.profile), "tools")
