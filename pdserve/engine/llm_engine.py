@@ -70,6 +70,7 @@ class LLMEngine:
         self.rank = tp.rank
         self.model = load_model(self.model_dir, dtype, config.device, tp, config.nvfp4_mode,
                                 config.quantization)
+        self.vocab_size = int(hf_config["vocab_size"])  # the embedding's rows: the ids a prompt may hold
         if config.threads and multiplies_natively(self.model):
             apply_threads(config.threads, torch_threads=1)  # the cores are the kernels' (threads.py)
         specs = self.model.cache_spec(dtype, INDEX_DTYPES[config.index_cache_dtype])
@@ -123,9 +124,19 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                     peer: KVPeer | None = None) -> None:
         """Queue a request. PD roles pass their `peer` (see `KVPeer`)."""
-        params.validate()
+        self.check(prompt_ids, params)
         self._inbox.put(NewRequest(request_id, list(prompt_ids), params, time.monotonic(),
                                    kv=self.kv_role, peer=peer))
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """ValueError naming what is wrong with a request. Bad input must never reach the loop,
+        where it would fail every request of the worker (an id past the embedding, say)."""
+        params.validate()
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            bad = next(t for t in prompt_ids if not 0 <= t < self.vocab_size)
+            raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> None:
         """Abort at any moment (waiting, prefilling, decoding); unknown ids are ignored."""

@@ -11,6 +11,12 @@
   allocation finds no empty block.
 * *empty*: no holder, no content worth keeping.
 
+A cached block is either *named* (full: its chained hash is in the index) or a *tail*: the
+last, partly filled block of a released sequence, kept under the name of the block before it
+(`Tail`). A tail is never shared: a later request whose tokens continue the same chain takes it
+whole (`take_tail`) and writes its own tokens after the matching ones, which is how a turn
+that resends a conversation reuses the conversation's last few tokens too (docs/prefix-cache.md).
+
 `num_free` counts what an allocation can have (empty + cached-unreferenced); `num_used`
 counts referenced blocks; so `num_free + num_used == num_blocks` as before the cache existed.
 
@@ -23,17 +29,33 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 from .host import HostTier
 from .prefix import BlockHash
+
+
+MAX_TAILS_PER_PARENT = 4  # more would make a lookup scan many; a fifth one is not kept
 
 
 class OutOfBlocks(Exception):
     """Raised when an allocation asks for more blocks than are free (nothing is taken)."""
 
 
+@dataclass(frozen=True)
+class Tail:
+    """A sequence's last, partly filled block: its first `len(tokens)` positions hold the KV of
+    `tokens`, which follow the chain whose last full block is named `parent` (the salt when
+    there is none)."""
+
+    block: int
+    parent: BlockHash
+    tokens: tuple[int, ...]
+
+
 class BlockAllocator:
-    """Hands out block ids, counts their holders, and indexes full blocks by content.
+    """Hands out block ids, counts their holders, indexes full blocks by content and keeps
+    released sequences' partly filled last blocks as tails.
 
     With `caching=False` the index stays empty: released blocks go straight back to empty and
     `lookup` finds nothing, so the allocator behaves as a plain free list."""
@@ -47,6 +69,8 @@ class BlockAllocator:
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, unreferenced; oldest first
         self._name: dict[int, BlockHash] = {}              # block → its content's name
         self._block: dict[BlockHash, int] = {}             # name → the block that holds it
+        self._tail: dict[int, Tail] = {}                   # tail block → what it holds
+        self._tails: dict[BlockHash, list[int]] = {}       # parent name → its tails, oldest first
         self.num_evictions = 0
         self.num_queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.num_hits = 0     # of which found cached (vLLM's prefix_cache_hits)
@@ -96,18 +120,23 @@ class BlockAllocator:
 
     def _evict(self) -> int:
         b, _ = self._lru.popitem(last=False)
+        self.num_evictions += 1
+        if b in self._tail:  # a partial block: nothing for the host tier
+            self._drop_tail(b)
+            return b
         name = self._name.pop(b)
         del self._block[name]
         if self.host is not None:  # its bytes are still intact: nobody held it
             self.host.save(b, name)
-        self.num_evictions += 1
         return b
 
-    def free(self, blocks: list[int]) -> None:
+    def free(self, blocks: list[int], tail: Tail | None = None) -> None:
         """Drop one holder of each block. A block left without holders stays cached if its
-        content is named (most recently released last; a table's tail is released first, so
-        a shared prefix outlives the private ends), else it becomes empty. Freeing a block
-        without holders is a bug in the caller: nothing is changed and ValueError is raised."""
+        content is named, or if it is `tail.block` (the sequence's partly filled last block)
+        and its parent keeps fewer than MAX_TAILS_PER_PARENT tails; else it becomes empty.
+        Most recently released last; a table's end is released first, so a shared prefix
+        outlives the private ends. Freeing a block without holders is a bug in the caller:
+        nothing is changed and ValueError is raised."""
         counts: dict[int, int] = {}
         for b in blocks:
             counts[b] = counts.get(b, 0) + 1
@@ -118,10 +147,24 @@ class BlockAllocator:
             if self._refs[b]:
                 continue
             del self._refs[b]
-            if b in self._name:
+            if b in self._name or (tail is not None and b == tail.block and self._keep_tail(tail)):
                 self._lru[b] = None
             else:
                 self._empty.append(b)
+
+    def _keep_tail(self, tail: Tail) -> bool:
+        if not self.caching or not tail.tokens or len(self._tails.get(tail.parent, ())) >= MAX_TAILS_PER_PARENT:
+            return False
+        self._tails.setdefault(tail.parent, []).append(tail.block)
+        self._tail[tail.block] = tail
+        return True
+
+    def _drop_tail(self, block: int) -> None:
+        tail = self._tail.pop(block)
+        siblings = self._tails[tail.parent]
+        siblings.remove(block)
+        if not siblings:
+            del self._tails[tail.parent]
 
     # ---- the prefix cache ---------------------------------------------------------------------
 
@@ -135,6 +178,34 @@ class BlockAllocator:
                     break
                 out.append(b)
         return out
+
+    def find_tail(self, parent: BlockHash, tokens: list[int],
+                  skip: set[int] = frozenset()) -> tuple[int, int]:
+        """The tail after `parent` that holds the longest start of `tokens` (the oldest among
+        equals), as (block, tokens matched); (-1, 0) when none matches a token. `skip`: tails the
+        step's plan already gave to another request."""
+        best, matched = -1, 0
+        if self.caching:
+            for b in self._tails.get(parent, ()):
+                if b in skip:
+                    continue
+                n = 0
+                for have, want in zip(self._tail[b].tokens, tokens):
+                    if have != want:
+                        break
+                    n += 1
+                if n > matched:
+                    best, matched = b, n
+        return best, matched
+
+    def take_tail(self, block: int) -> None:
+        """A request takes a tail whole: it holds it alone and writes after the matched tokens
+        (so it leaves the cache: nobody else could rely on its later positions)."""
+        if block not in self._tail:
+            raise ValueError(f"block {block} is not a cached tail")
+        self._drop_tail(block)
+        del self._lru[block]
+        self._refs[block] = 1
 
     def host_chain(self, names: list[BlockHash]) -> int:
         """How many of `names` (the continuation of a device hit) the host tier holds."""
@@ -191,6 +262,9 @@ class BlockAllocator:
         h.update(repr((list(self._empty), sorted(self._refs.items()), list(self._lru))).encode())
         for b, name in sorted(self._name.items()):
             h.update(b.to_bytes(4, "little") + name)
+        h.update(repr(sorted(self._tails.items())).encode())
+        for b, tail in sorted(self._tail.items()):
+            h.update(repr((b, tail.tokens)).encode())
         if self.host is not None:
             h.update(self.host.digest())
         return h.hexdigest()
@@ -212,8 +286,15 @@ class BlockAllocator:
                                f"!= total {self.num_blocks}")
         if any(n <= 0 for n in self._refs.values()):
             raise RuntimeError("a referenced block has no holder")
-        if not lru <= set(self._name):
-            raise RuntimeError("an unreferenced cached block has no name")
+        tails = set(self._tail)
+        if not lru <= set(self._name) | tails:
+            raise RuntimeError("an unreferenced cached block is neither named nor a tail")
+        if not tails <= lru or tails & set(self._name):
+            raise RuntimeError("a tail is held, or also named")
+        indexed = [(p, b) for p, blocks in self._tails.items() for b in blocks]
+        if sorted(b for _, b in indexed) != sorted(tails) or any(
+                self._tail[b].parent != p or self._tail[b].block != b for p, b in indexed):
+            raise RuntimeError("the tail index and the tails disagree")
         if empty & set(self._name):
             raise RuntimeError("an empty block is still named in the index")
         if len(self._block) != len(self._name) or any(self._block.get(n) != b for b, n in self._name.items()):

@@ -38,7 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.sequence import FinishReason, KVRole, Sequence, SequenceStatus
-from pdserve.kvcache import BlockAllocator, BlockHash, extend_hashes
+from pdserve.kvcache import BlockAllocator, BlockHash, Tail, extend_hashes
 from pdserve.logs import about
 
 from .lifecycle import HeldEvent, ended
@@ -74,6 +74,7 @@ class _Books:
         self.allocator = allocator
         self.free = allocator.num_free
         self._delta: dict[int, int] = {}  # block → holders gained (+) or dropped (-) this step
+        self.taken: set[int] = set()  # cached blocks the plan gives requests (a tail goes to one)
 
     def _refs(self, b: int) -> int:
         return self.allocator.refcount(b) + self._delta.get(b, 0)
@@ -90,6 +91,7 @@ class _Books:
 
     def take(self, blocks: list[int]) -> None:
         self.free -= self.take_cost(blocks)
+        self.taken.update(blocks)
         for b in blocks:
             self._delta[b] = self._delta.get(b, 0) + 1
 
@@ -285,25 +287,31 @@ class Scheduler:
             extend_hashes(seq.block_hashes, seq.token_ids[:num_blocks * bs], bs, self.config.cache_salt)
         return seq.block_hashes[:num_blocks]
 
-    def _cache_hit(self, slot: _Slot) -> tuple[list[int], int]:
-        """What a request starting from nothing can reuse: the longest cached chain of its full
-        blocks that leaves at least its last token to compute (its logits) — the device blocks
-        that hold its start, and how many more blocks the host tier holds after them. A request
-        that wants its prompt's logprobs takes nothing (its logits are computed at every
-        position); it still names its blocks for others."""
+    def _cache_hit(self, slot: _Slot, books: _Books) -> tuple[list[int], int]:
+        """What a request starting from nothing can reuse, leaving at least its last token to
+        compute (its logits): the longest cached chain of its full blocks, the host tier's
+        continuation of it, then a tail that holds the next few tokens (when the chain ended
+        on the device). Returns the device blocks to take (a tail last) and the tokens cached.
+        A request that wants its prompt's logprobs takes nothing (its logits are computed at
+        every position); it still names its blocks for others."""
         if not self.allocator.caching or slot.num_computed or slot.computes_all:
             return [], 0
-        num_tokens = slot.num_pending
-        usable = (num_tokens - 1) // self.config.block_size
-        if usable == 0:
-            return [], 0
+        bs = self.config.block_size
+        last = slot.num_pending - 1  # the cache may give the tokens before this one
+        tokens = slot.prompt if slot.seq is None else slot.seq.token_ids
         if slot.seq is None:
-            bs = self.config.block_size
-            names = extend_hashes([], slot.prompt[:usable * bs], bs, self.config.cache_salt)
+            names = extend_hashes([], tokens[:last // bs * bs], bs, self.config.cache_salt)
         else:
-            names = self._names(slot.seq, usable)
+            names = self._names(slot.seq, last // bs)
         hit = self.allocator.lookup(names)
-        return hit, self.allocator.host_chain(names[len(hit):])
+        from_host = self.allocator.host_chain(names[len(hit):])
+        cached = (len(hit) + from_host) * bs
+        if not from_host:
+            parent = names[len(hit) - 1] if hit else self.config.cache_salt
+            block, matched = self.allocator.find_tail(parent, tokens[cached:last], books.taken)
+            if matched:
+                hit, cached = hit + [block], cached + matched
+        return hit, cached
 
     def _schedule(self, gone: set[str], sampled: list[SampledToken], arrived: list[SampledToken],
                   admitted: list[NewRequest], books: _Books) -> tuple[list[ScheduledChunk], list[str]]:
@@ -354,8 +362,7 @@ class Scheduler:
             for slot in waiting:
                 if budget.tokens <= 0 or num_running >= cfg.max_num_seqs:
                     break
-                hit, from_host = self._cache_hit(slot)  # host copies need device blocks too
-                cached = (len(hit) + from_host) * cfg.block_size
+                hit, cached = self._cache_hit(slot, books)  # host copies need device blocks too
                 n = budget.chunk(slot.num_pending - cached)
                 if n == 0:  # the budget for prompts is spent: they start in order
                     break
@@ -473,18 +480,28 @@ class Scheduler:
         return outputs, batch
 
     def _reuse(self, seq: Sequence, cached: int) -> list[BlockHash]:
-        """Take the plan's cache hit, the first `cached` tokens' blocks of the chain: hold its
-        device blocks now; return the names to load from the host tier (pinned until then)."""
-        n = cached // self.config.block_size
+        """Take the plan's cache hit, the first `cached` tokens of the chain: hold its device
+        blocks now (and take the tail that holds the tokens after the last full block); return
+        the names to load from the host tier (pinned until then)."""
+        bs = self.config.block_size
+        n, partial = divmod(cached, bs)
         if seq.num_computed or seq.block_table:
             raise RuntimeError(f"request {seq.request_id}: a cache hit for a request with KV")
         names = self._names(seq, n)
         blocks = self.allocator.lookup(names)[:n]
         rest = names[len(blocks):]
-        if self.allocator.host_chain(rest) != len(rest):  # the cache differs from rank 0's
-            raise RuntimeError(f"request {seq.request_id}: the plan reuses {n} cached blocks, "
-                               f"this rank's cache holds {len(blocks)} (+ host copies)")
+        tail, matched = -1, 0
+        if partial and not rest:
+            parent = names[-1] if names else self.config.cache_salt
+            tail, matched = self.allocator.find_tail(parent, seq.token_ids[n * bs:cached])
+        if self.allocator.host_chain(rest) != len(rest) or matched != partial:  # not rank 0's cache
+            raise RuntimeError(f"request {seq.request_id}: the plan reuses {cached} cached tokens, "
+                               f"this rank's cache holds {len(blocks)} blocks (+ host copies) and a "
+                               f"tail of {matched}")
         self.allocator.acquire(blocks)
+        if partial:
+            self.allocator.take_tail(tail)
+            blocks = blocks + [tail]
         if rest:
             self.allocator.host.pin(rest)
         seq.block_table = blocks
@@ -566,12 +583,25 @@ class Scheduler:
 
     def _release(self, seq: Sequence) -> None:
         """Drop the request's hold on its blocks: cached ones stay cached for others (and
-        whoever else holds a block keeps it), never written or evicted while held."""
-        self.allocator.free(seq.block_table)
+        whoever else holds a block keeps it), never written or evicted while held; its partly
+        filled last block stays as a tail."""
+        self.allocator.free(seq.block_table, self._tail(seq))
         seq.block_table = []
         if seq.grammar is not None:  # ended or preempted: a recompute replays its output into a new one
             seq.grammar.release()
             seq.grammar = None
+
+    def _tail(self, seq: Sequence) -> Tail | None:
+        """The partly filled block after `seq`'s full ones, as the cache may keep it: the tokens
+        whose KV is in it (overlap: not a token still being sampled)."""
+        if not self.allocator.caching or seq.kv is KVRole.DECODE:
+            return None
+        full, partial = divmod(min(seq.num_computed, seq.num_tokens), self.config.block_size)
+        if not partial or len(seq.block_table) <= full:
+            return None
+        parent = self._names(seq, full)[-1] if full else self.config.cache_salt
+        start = full * self.config.block_size
+        return Tail(seq.block_table[full], parent, tuple(seq.token_ids[start:start + partial]))
 
     def has_work(self) -> bool:
         return bool(self.seqs or self.held)

@@ -218,6 +218,7 @@ class Worker:
         if isinstance(peer, dict):
             peer = KVPeer(peer.get("worker_id", ""), tuple(peer.get("bootstrap", ())),
                           tuple(peer.get("blocks", ())))
+        self.engine.check(prompt_ids, params)  # before anything is booked for it
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if request_id in self._queues:

@@ -1,6 +1,8 @@
 """`usage.prompt_tokens_details.cached_tokens` end to end through `pdserve serve --mode pd`: a
-repeated prompt reports all but its last KV block as cached (the prefill worker's hits, carried
-by the KV transfer to the decode worker and by its last line to the router), streamed or not."""
+repeated prompt reports all but its last token as cached — its full KV blocks and the first
+tokens of its last one, kept as a tail — or, when the prompt ends a block exactly, all but that
+block (the prefill worker's hits, carried by the KV transfer to the decode worker and by its
+last line to the router), streamed or not."""
 from __future__ import annotations
 
 import uuid
@@ -16,7 +18,7 @@ MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 16  # the workers' default block size
 
 
-def test_a_repeated_prompt_reports_all_but_its_last_block_cached(pd_server):
+def test_a_repeated_prompt_reports_what_it_reused_as_cached(pd_server):
     client = openai.OpenAI(base_url=pd_server.v1, api_key=API_KEY, max_retries=0, timeout=120)
     # a prompt no other test sends: nothing of it is cached before the first call
     system = f"Session {uuid.uuid4().hex}. " + "You answer in one short sentence. " * 12
@@ -25,9 +27,11 @@ def test_a_repeated_prompt_reports_all_but_its_last_block_cached(pd_server):
     n = first.usage.prompt_tokens
     assert n > 3 * BLOCK
     assert first.usage.prompt_tokens_details.cached_tokens == 0  # its first block names the session
+    # the last token is computed (its logits); a full cached block is shared, never written
+    reused = n - 1 if n % BLOCK else n - BLOCK
     again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
-    assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // BLOCK * BLOCK
+    assert again.usage.prompt_tokens_details.cached_tokens == reused
     assert again.choices[0].message.content == first.choices[0].message.content
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
-    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // BLOCK * BLOCK
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == reused

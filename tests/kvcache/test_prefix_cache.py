@@ -1,17 +1,18 @@
 """The allocator's prefix cache: random allocate / share / finish / abort / evict sequences keep
 the books exact (empty + cached-unreferenced + referenced == total), never hand out or evict
-a referenced block, and a cache hit always names the content its block holds."""
+a referenced block, and a cache hit always names the content its block holds (a tail: the
+tokens it matched, after the same chain)."""
 from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.kvcache import BlockAllocator, OutOfBlocks, block_hashes, salt_of
+from pdserve.kvcache import BlockAllocator, OutOfBlocks, Tail, block_hashes, salt_of
 
 BS = 4
 SALT = salt_of("test-model", "float32")
-BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 50, 60, 70, 80], [9] * 16, []]
+BASES = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 50, 60, 70, 80], [9] * 16, [], [1, 2, 3, 4, 5, 6]]
 
 
 class Model:
@@ -20,6 +21,8 @@ class Model:
     def __init__(self, num_blocks: int):
         self.a = BlockAllocator(num_blocks, caching=True)
         self.seqs: dict[int, list[int]] = {}       # live sequence → its block table
+        self.tails: dict[int, Tail] = {}           # live sequence → its last block, when partly filled
+        self.started: list[list[int]] = []          # every sequence's tokens (a later turn resends one)
         self.content: dict[int, object] = {}       # block → the content written into it
         self.next = 0
 
@@ -27,35 +30,54 @@ class Model:
         return sum(table.count(b) for table in self.seqs.values())
 
     def start(self, tokens: list[int], register: bool) -> None:
+        self.started.append(tokens)
         names = block_hashes(tokens, BS, SALT)
         usable = (len(tokens) - 1) // BS if tokens else 0
         hit = self.a.lookup(names[:usable])
         for b, name in zip(hit, names):
             assert self.content[b] == name  # the hit's block holds exactly that content
+        parent = names[len(hit) - 1] if hit else SALT
+        start = len(hit) * BS
+        tail, matched = self.a.find_tail(parent, tokens[start:max(start, len(tokens) - 1)])
+        if matched:  # the tail holds the next tokens' KV, after the same chain
+            assert self.holders(tail) == 0
+            kind, where, held = self.content[tail]
+            assert (kind, where) == ("tail", parent) and held[:matched] == tuple(tokens[start:start + matched])
         need = -(-len(tokens) // BS) - len(hit)
-        cost = sum(1 for b in hit if self.a.refcount(b) == 0)
+        cost = sum(1 for b in hit if self.a.refcount(b) == 0)  # a tail costs one, like a fresh block
         if need + cost > self.a.num_free:
             with pytest.raises(OutOfBlocks):
                 self.a.allocate(self.a.num_free + 1)
             return
         self.a.acquire(hit)
-        fresh = self.a.allocate(need)
+        taken = []
+        if matched:
+            self.a.take_tail(tail)
+            taken = [tail]
+            self.content[tail] = ("written by", self.next)  # past the matched tokens
+        fresh = self.a.allocate(need - len(taken))
         for b in fresh:
             assert self.holders(b) == 0, f"block {b} handed out while held"
             self.content[b] = ("written by", self.next)  # its old content is overwritten
-        table = hit + fresh
+        table = hit + taken + fresh
         if register:  # the forward filled the full blocks: name them
             for i in range(len(hit), len(tokens) // BS):
                 self.a.register(table[i], names[i])
                 if self.a.is_cached(table[i]) and self.a.lookup(names[:i + 1])[-1:] == [table[i]]:
                     self.content[table[i]] = names[i]
+        full = len(tokens) // BS
+        if register and len(tokens) % BS:  # its last block, partly filled, may stay as a tail
+            self.tails[self.next] = Tail(table[full], names[full - 1] if full else SALT, tuple(tokens[full * BS:]))
         self.seqs[self.next] = table
         self.next += 1
 
     def end(self, which: int) -> None:
         if self.seqs:
             key = sorted(self.seqs)[which % len(self.seqs)]
-            self.a.free(self.seqs.pop(key))
+            tail = self.tails.pop(key, None)
+            self.a.free(self.seqs.pop(key), tail)
+            if tail is not None and self.holders(tail.block) == 0:
+                self.content[tail.block] = ("tail", tail.parent, tail.tokens)
 
     def check(self) -> None:
         self.a.check_integrity()
@@ -69,6 +91,7 @@ class Model:
 ops = st.lists(st.one_of(
     st.tuples(st.just("start"), st.integers(0, len(BASES) - 1), st.lists(st.integers(3, 6), max_size=9),
               st.booleans()),
+    st.tuples(st.just("continue"), st.integers(0, 50), st.lists(st.integers(3, 6), min_size=1, max_size=5)),
     st.tuples(st.just("finish"), st.integers(0, 50)),
     st.tuples(st.just("abort"), st.integers(0, 50)),
     st.tuples(st.just("pressure"), st.integers(1, 12)),
@@ -83,6 +106,9 @@ def test_random_sequences_keep_the_books_and_never_touch_a_held_block(ops, num_b
         if op[0] == "start":
             _, base, suffix, register = op
             m.start(BASES[base] + suffix, register)
+        elif op[0] == "continue":  # a later turn: an earlier sequence's tokens and a few more
+            if m.started:
+                m.start(m.started[op[1] % len(m.started)] + op[2], True)
         elif op[0] in ("finish", "abort"):  # the allocator sees both as a dropped hold
             m.end(op[1])
         else:  # another request's blocks: evicts the least recently released cached blocks

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import KVRole
-from pdserve.kvcache import BlockAllocator
+from pdserve.kvcache import BlockAllocator, block_hashes
 from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig
 from pdserve.scheduler.plan import KVPeer, SampledToken, TransferKind, TransferOutcome
 
@@ -86,8 +86,31 @@ def test_cached_blocks_count_as_free_and_a_hit_is_planned_and_applied():
     d.step(Inbox(new=[req("a", 13, max_tokens=1)]))
     while s.has_work():
         d.step()
-    assert s.allocator.num_free == 8 and s.allocator.num_cached == 3  # the prompt's 3 full blocks
+    # the prompt's 3 full blocks and its last token's block, kept as a tail
+    assert s.allocator.num_free == 8 and s.allocator.num_cached == 4
     plan = d.step(Inbox(new=[req("b", 13, max_tokens=1)]))
     assert [(c.request_id, c.cached, c.num_tokens) for c in plan.batch] == [("b", 12, 1)]
     b = s.seqs["b"]
     assert b.cached_tokens == 12 and b.num_computed == 13 and s.allocator.num_used == 4
+
+
+def test_a_tail_gives_the_tokens_after_the_last_full_block_to_one_request():
+    """A finished request's partly filled last block is kept (a tail): a request that continues
+    its tokens takes it whole (cached tokens past the full blocks) and writes after them; a
+    second request planned in the same step cannot take it too and computes those tokens."""
+    s = make(12, caching=True)
+    d = Driver(s)
+    d.step(Inbox(new=[req("a", 14, max_tokens=1)]))  # 3 full blocks, then 2 tokens in the 4th
+    while s.has_work():
+        d.step()
+    parent = block_hashes(list(range(10, 22)), 4, s.config.cache_salt)[-1]
+    tail = s.allocator.find_tail(parent, [22, 23, 99])
+    assert tail[1] == 2 and s.allocator.refcount(tail[0]) == 0
+    longer = list(range(10, 24)) + [70, 71, 72]
+    plan = d.step(Inbox(new=[NewRequest("b", longer, SamplingParams(temperature=0, max_tokens=1)),
+                             NewRequest("c", longer, SamplingParams(temperature=0, max_tokens=1))]))
+    assert [(c.request_id, c.cached, c.num_tokens) for c in plan.batch] == [("b", 14, 3), ("c", 12, 5)]
+    b, c = s.seqs["b"], s.seqs["c"]
+    assert b.block_table[3] == tail[0] and s.allocator.refcount(tail[0]) == 1  # b alone holds it
+    assert c.block_table[:3] == b.block_table[:3] and c.block_table[3] != tail[0]
+    assert s.allocator.find_tail(parent, [22, 23]) == (-1, 0)  # taken: no longer cached

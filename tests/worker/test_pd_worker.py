@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 
+from pdserve import worker_api as api
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
@@ -73,3 +74,40 @@ def test_worker_metrics_count_what_happened(pd_pair):
     assert metric(decode, "pdserve:generation_tokens_total") == before["decode"][2] + 20
     assert metric(prefill, "pdserve:rooms_total", state="done") == before["prefill"][1] + 4
     assert metric(decode, "pdserve:scheduler_agree_seconds_count") > 0
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(300)
+def test_prompt_ids_outside_the_vocabulary_are_a_400_and_disturb_nothing(pd_pair):
+    """A prompt id past the embedding is refused at the door of both roles: it once reached the
+    prefill worker's forward and failed every request there. A request in flight finishes intact,
+    and the refused request id holds nothing (it can be used again at once)."""
+    prefill, decode = pd_pair
+    params = {"temperature": 0, "max_tokens": 48, "ignore_eos": True}
+
+    async def run():
+        c = PDClient(prefill, decode)
+        alone = await c.generate("vocab-ref", [5, 6, 7, 8], params)
+        running = asyncio.create_task(c.generate("vocab-live", [5, 6, 7, 8], params))
+        while (await c.http.get(decode.url + "/load")).json()["running"] == 0:
+            await asyncio.sleep(0.01)
+        bad = [1, 2, 49152]
+        refusals = [
+            await c.http.post(decode.url + "/generate", json=api.GenerateRequest(
+                request_id="vocab-bad", prompt_ids=bad, params=api.SamplingParams(**params),
+                prefill_url=prefill.url, prefill_worker_id=prefill.worker_id).wire()),
+            await c.http.post(prefill.url + "/prefill", json=api.PrefillRequest(
+                request_id="vocab-bad", prompt_ids=[-1, 2], params=api.SamplingParams(**params),
+                decode=api.DecodeTarget(worker_id=decode.worker_id, decode_url=decode.url, blocks=[0])).wire()),
+        ]
+        again = await c.generate("vocab-bad", [5, 6, 7, 8], params)  # the refused id is free
+        return alone, await running, refusals, again
+
+    alone, live, refusals, again = asyncio.run(asyncio.wait_for(run(), 200))
+    for r, bad_id in zip(refusals, (49152, -1)):
+        assert r.status_code == 400
+        assert r.json()["error"]["code"] == "bad_request"
+        assert f"prompt token id {bad_id} is outside the vocabulary [0, 49152)" in r.json()["error"]["message"]
+    assert live == alone == again and alone[1] == "length" and len(alone[0]) == 48
+    assert prefill.get("/health").json()["status"] == decode.get("/health").json()["status"] == "ok"
+    wait_for(lambda: pool_full(prefill) and pool_full(decode), what="both pools full")
