@@ -91,7 +91,8 @@ class TransferOutcome:
 class ScheduledChunk:
     """Compute the next `num_tokens` pending tokens of a request; sample if that reaches its end.
     `cached`: on a request's first chunk, the leading tokens whose KV it takes from the prefix
-    cache (whole blocks) instead of computing; the chunk starts after them."""
+    cache instead of computing (whole blocks, then possibly part of a tail block); the chunk
+    starts after them."""
 
     request_id: str
     num_tokens: int

@@ -13,7 +13,7 @@ import transformers
 
 from tests.frontend.conftest import start_server, stop_server
 from tests.frontend.router_cases import API_KEY
-from tests.served_reference import served_reference
+from tests.served_reference import LOGPROB_TOLERANCE, served_reference
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -53,10 +53,10 @@ def assert_prompt_scored(lp, reference, tokenizer, top: int) -> None:
     assert lp.text_offset[:n] == [len("".join(lp.tokens[:k])) for k in range(n)]
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     for p in range(1, n):
-        assert abs(lp.token_logprobs[p] - float(ref[p - 1, ids[p]])) < 1e-3, p
+        assert abs(lp.token_logprobs[p] - float(ref[p - 1, ids[p]])) < LOGPROB_TOLERANCE, p
         best = ref[p - 1].topk(top)
         assert list(lp.top_logprobs[p]) == [tokenizer.token_bytes(t).decode() for t in best.indices.tolist()]
-        assert max(abs(a - b) for a, b in zip(lp.top_logprobs[p].values(), best.values.tolist())) < 1e-3
+        assert max(abs(a - b) for a, b in zip(lp.top_logprobs[p].values(), best.values.tolist())) < LOGPROB_TOLERANCE
 
 
 @pytest.mark.parametrize("mode", ["pd", "colocated"])
@@ -86,5 +86,5 @@ def test_echo_streams_the_prompt_and_its_logprobs_first(colocated, reference, to
     streamed = [v for c in chunks if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
     assert streamed == lp.token_logprobs
     # the first output token's logprob is the model's at the prompt's last position (greedy: its max)
-    assert abs(lp.token_logprobs[len(ids)] - float(ref[-1].max())) < 1e-3
+    assert abs(lp.token_logprobs[len(ids)] - float(ref[-1].max())) < LOGPROB_TOLERANCE
     assert lp.text_offset[len(ids)] == len(TEXT)
