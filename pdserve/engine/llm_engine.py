@@ -192,6 +192,13 @@ class LLMEngine:
             self._inbox.put(req)
         return plan, outputs
 
+    def waits(self, plan: StepPlan) -> bool:
+        """The next step has nothing to do until something comes from outside (a request, an
+        abort, a transfer's outcome, the clock): `plan`, this step's, changed nothing, and no
+        token, forward or request is pending. A worker then naps instead of stepping at once."""
+        return (plan.idle and not self.loop.sampled and not self.loop.in_flight and not self._carry
+                and self._inbox.empty())
+
     def has_work(self) -> bool:
         return (self.scheduler.has_work() or bool(self.loop.sampled) or self.loop.in_flight
                 or bool(self._carry) or not self._inbox.empty())

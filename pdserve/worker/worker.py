@@ -28,7 +28,11 @@ from .runtime import RankRuntime
 
 logger = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.005  # nothing to compute but a request is open (a transfer under way): poll soon
+# Nothing to compute until something arrives, but a request is open (a room waits for its KV,
+# a prefill's KV is being written): poll the transfers soon. Stepping at once instead spun a core
+# (~2.5 ms of Python a step), and on a shared machine the PD prefill's forward lost its second
+# thread to the decode worker's spin (docs/liveness.md).
+IDLE_WAIT_S = 0.005
 # Nothing open at all: sleep until the inbox wakes the loop, but step at least this often, so the
 # TP group's collectives stay far inside their timeout and /health's step stays fresh
 # (docs/liveness.md: an idle worker costs nothing).
@@ -170,8 +174,9 @@ class Worker:
         self.step_count += 1
         loop = self.engine.loop
         self.accounting.step(loop.step_s, loop.agree_s)
-        if not self.engine.has_work():
-            quiet = not self._queues  # no HTTP call open: no transfer can be under way either
+        busy = self.engine.has_work()
+        if not busy or self.engine.waits(plan):
+            quiet = not busy and not self._queues  # no HTTP call open: no transfer can be under way either
             if quiet:
                 self._snapshot(now)  # /load and /metrics show the last step's state while it sleeps
             self._wake.wait(self._idle_tick if quiet else IDLE_WAIT_S)
