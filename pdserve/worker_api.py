@@ -222,6 +222,9 @@ class Room(_Message):
     blocks: list[int]          # the decode worker's KV blocks the prefill worker writes into
     worker_id: str             # the decode worker's id (its /bootstrap)
     decode_url: str | None = None  # where prefill finds /bootstrap; None: the URL the router used
+    # the prompt's leading blocks the decode worker's prefix cache holds already: prefill skips
+    # that many of its own and writes the rest into `blocks` (which never names a cached block)
+    cached_blocks: int = Field(0, ge=0)
 
 
 class RoomLine(_Message):
@@ -272,6 +275,7 @@ class DecodeTarget(_Message):
     decode_url: str
     blocks: list[int]
     incarnation: str | None = None  # the decode worker's /info incarnation (see /peers/dead)
+    cached_blocks: int = Field(0, ge=0)  # Room.cached_blocks: the prompt's leading blocks not sent
 
 
 class PrefillRequest(_Message):

@@ -115,9 +115,10 @@ class KVLink:
         rid = out.request_id
         if peer is None:
             return self._fail(rid, "no decode worker for this room")
+        skip = peer.cached_blocks  # the decode worker's cache holds these: only the rest travel
         try:
             name = self.agent.connect(peer.bootstrap[self.rank].encode())
-            ok = self.agent.write(rid, name, blocks, list(peer.blocks),
+            ok = self.agent.write(rid, name, blocks[skip:], list(peer.blocks),
                                   encode_first_token(SampledToken(rid, out.token_id, out.logprobs,
                                                                  out.cached_tokens or 0), out.prompt_logprobs))
         except Exception as e:  # a transport or layout error fails this room, never the loop

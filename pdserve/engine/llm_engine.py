@@ -79,10 +79,11 @@ class LLMEngine:
                           hf_config.get("max_position_embeddings", 4096))
         num_blocks = fit.num_blocks
         self.pool = KVPool(specs, num_blocks, config.block_size, config.device)
-        # a decode worker never looks its cache up (its prompts' KV arrives from prefill)
-        caching = config.prefix_cache and kv_role != KVRole.DECODE
+        # a decode worker caches too: its rooms take the blocks it kept, and only the rest of a
+        # prompt's KV travels; it has no host tier (a room takes device blocks only)
+        caching = config.prefix_cache
         host_blocks = config.host_cache_memory // KVPool.bytes_per_block(specs, config.block_size)
-        host = HostTier(self.pool, host_blocks) if caching and host_blocks else None
+        host = HostTier(self.pool, host_blocks) if caching and host_blocks and kv_role != KVRole.DECODE else None
         self.allocator = BlockAllocator(num_blocks, caching=caching, host=host)
         max_len = fit.max_model_len
         # everything besides the tokens that shapes a block's KV starts its names' chain

@@ -245,7 +245,8 @@ class ChoiceRun:
         body = PrefillRequest(request_id=self.rid, prompt_ids=self.spec.prompt_ids, params=self.spec.params,
                               decode=DecodeTarget(worker_id=room.worker_id,
                                                   decode_url=room.decode_url or self.route.decode.url,
-                                                  blocks=room.blocks, incarnation=self.route.decode.incarnation))
+                                                  blocks=room.blocks, incarnation=self.route.decode.incarnation,
+                                                  cached_blocks=room.cached_blocks))
         self._prefill_task = asyncio.create_task(self._prefill(prefill.url, body), name=f"prefill-{self.rid}")
 
     async def _prefill(self, url: str, body: PrefillRequest) -> None:

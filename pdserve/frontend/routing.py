@@ -17,9 +17,10 @@ One request's choice (SGLang's cache-aware router is the model; the rule in our 
   least loaded (reason ``balance``); the prefix is sent there too, so a hot prefix spreads;
 * no worker matches a block: the least loaded (reason ``load``).
 
-Only workers that cache prefixes (prefill and colocated ones) are chosen by prefix; PD decode
-workers keep no prefix index (their prompts' KV arrives by transfer), so they are picked least
-loaded and their choice is not counted as a routing decision.
+Every role caches prefixes, so every choice is made this way: a prefill or colocated worker
+computes only what it lacks; a PD decode worker keeps the KV it received and computed, and asks
+the prefill worker only for the blocks it lacks (docs/prefix-cache.md). A PD request makes two
+decisions, one per worker.
 
 ``Placement`` holds one request's choices until its routes are reserved; only then are its
 blocks entered into the index and its decisions counted (admission may try a request many
@@ -36,7 +37,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from pdserve.frontend.workers import Route, WorkerEndpoint, least_loaded
-from pdserve.worker_api import Info, Role
+from pdserve.worker_api import Info
 
 logger = logging.getLogger(__name__)
 
@@ -124,10 +125,6 @@ class PrefixIndex:
             self._blocks.popitem(last=False)
 
 
-def caches_prefixes(w: WorkerEndpoint) -> bool:
-    return w.role is not Role.DECODE
-
-
 class CacheAwareRouter:
     """The routing policy over the pool's workers; `placement(prompt_ids)` is the entry point."""
 
@@ -165,7 +162,7 @@ class CacheAwareRouter:
         least = least_loaded(list(workers))
         if least is None:
             return None
-        if self.policy is Policy.LEAST_LOADED or key is None or not caches_prefixes(least):
+        if self.policy is Policy.LEAST_LOADED or key is None:
             return Decision(least, Reason.LOAD, 0)
         best, matched = least, 0
         for w in sorted(workers, key=_load_order):  # ties: the least loaded first
@@ -206,8 +203,7 @@ class Placement:
         decision = self.router.decide(workers, self.key)
         if decision is None:
             return None
-        if caches_prefixes(decision.worker):
-            self.decisions.append(decision)
+        self.decisions.append(decision)
         return decision.worker
 
     def discard(self) -> None:

@@ -18,11 +18,13 @@ class KVPeer:
 
     Decode side: `worker_id` is the prefill worker that will write the room (its agents are
     named after it). Prefill side: `worker_id` is the decode worker, `bootstrap` its per-rank
-    transfer bootstrap (rank i writes to rank i) and `blocks` the room's blocks there."""
+    transfer bootstrap (rank i writes to rank i) and `blocks` the room's blocks there that the
+    KV goes to: those after the `cached_blocks` the decode worker's cache holds already."""
 
     worker_id: str
     bootstrap: tuple[str, ...] = ()
     blocks: tuple[int, ...] = ()
+    cached_blocks: int = 0  # prefill side: the prompt's leading blocks the decode worker holds (not sent)
 
 
 @dataclass
@@ -110,6 +112,7 @@ class StepPlan:
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (request id, error message)
     admitted: list[NewRequest] = field(default_factory=list)
     deferred: list[NewRequest] = field(default_factory=list)  # decode rooms waiting for free blocks
+    room_hits: dict[str, int] = field(default_factory=dict)  # admitted decode room → its cached leading blocks
     preempted: list[str] = field(default_factory=list)
     batch: list[ScheduledChunk] = field(default_factory=list)
     shutdown: bool = False
@@ -131,7 +134,8 @@ class StepOutput:
     logprobs: TokenLogprobs | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
-    room_blocks: list[int] | None = None  # decode: blocks allocated for the room's KV
+    room_blocks: list[int] | None = None  # decode: the room's blocks for the KV to be written
+    room_cached: int = 0  # decode: the prompt's leading blocks its cache holds (before room_blocks)
     cached_tokens: int | None = None  # with the finish: prompt tokens this worker took from its cache
     # with the first token (rank 0, params.prompt_logprobs): never in a plan, whose size is fixed
     prompt_logprobs: list[TokenLogprobs | None] | None = None

@@ -254,11 +254,15 @@ class Scheduler:
             elif req.request_id in aborted_now:
                 plan.rejected.append((req.request_id, "aborted before it started"))
             elif req.kv is KVRole.DECODE:
-                need = self._blocks_for(len(req.prompt_ids))
-                if need > books.free:
+                hit = self._room_hit(req.prompt_ids)
+                need = self._blocks_for(len(req.prompt_ids)) - len(hit)
+                if need + books.take_cost(hit) > books.free:
                     plan.deferred.append(req)
                     continue
+                books.take(hit)
                 books.free -= need
+                if hit:
+                    plan.room_hits[req.request_id] = len(hit)
                 plan.admitted.append(req)
             else:
                 plan.admitted.append(req)
@@ -275,6 +279,13 @@ class Scheduler:
         if self._blocks_for(len(req.prompt_ids) + 1) > self.allocator.num_blocks:
             return "the prompt does not fit in the KV cache"
         return None
+
+    def _room_hit(self, prompt: list[int]) -> list[int]:
+        """A decode room's cached blocks: the longest cached chain of its prompt's full blocks
+        (KV this worker kept from earlier requests). The prefill worker writes only the rest."""
+        bs = self.config.block_size
+        names = extend_hashes([], prompt[:len(prompt) // bs * bs], bs, self.config.cache_salt)
+        return self.allocator.lookup(names)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
@@ -447,11 +458,16 @@ class Scheduler:
         # on (device blocks are held, host copies pinned until they are loaded)
         loads = [(chunk, self._reuse(self.seqs[chunk.request_id], chunk.cached))
                  for chunk in plan.batch if chunk.cached]
-        for seq in rooms:  # blocks now, the KV arrives later
-            seq.block_table = self.allocator.allocate(self._blocks_for(len(seq.prompt_ids)))
+        # rooms: blocks now, the KV arrives later; every room's cached blocks are held before any
+        # is allocated (an allocation may evict a cached block another room counts on)
+        for seq in rooms:
+            seq.block_table = self._take_room_hit(seq, plan.room_hits.get(seq.request_id, 0))
+        for seq in rooms:
+            cached = len(seq.block_table)
+            seq.block_table += self.allocator.allocate(self._blocks_for(len(seq.prompt_ids)) - cached)
             seq.status = SequenceStatus.AWAITING_KV
             self.held[seq.request_id] = seq
-            outputs.append(StepOutput(seq.request_id, room_blocks=list(seq.block_table)))
+            outputs.append(StepOutput(seq.request_id, room_blocks=seq.block_table[cached:], room_cached=cached))
         for chunk, names in loads:
             seq = self.seqs[chunk.request_id]
             if names:
@@ -507,11 +523,25 @@ class Scheduler:
         seq.block_table = blocks
         return rest
 
+    def _take_room_hit(self, seq: Sequence, n: int) -> list[int]:
+        """Hold the plan's `n` cached leading blocks of a decode room (named already, never
+        written by the transfer, which fills only the blocks after them)."""
+        if not self.allocator.caching:
+            return []
+        blocks = self.allocator.lookup(self._names(seq, n))[:n]
+        if len(blocks) != n:
+            raise RuntimeError(f"room {seq.request_id}: the plan reuses {n} cached blocks, "
+                               f"this rank's cache holds {len(blocks)}")
+        self.allocator.acquire(blocks)
+        self.allocator.count_query(len(seq.prompt_ids), n * self.config.block_size)
+        seq.num_named = n * self.config.block_size
+        return blocks
+
     def _name_full_blocks(self, seq: Sequence) -> None:
         """Name the blocks this step fills, so later requests can reuse them. The KV is written
-        by this step's forward, before any later step's plan can look the names up. A decode
-        room's blocks are not named: the decode worker never looks anything up."""
-        if not self.allocator.caching or seq.kv is KVRole.DECODE:
+        by this step's forward, before any later step's plan can look the names up; a decode
+        room's prompt blocks, once its KV has landed (before that it computed nothing)."""
+        if not self.allocator.caching:
             return
         # overlap: a placeholder's token is unknown until a plan delivers it; name its block then
         full = min(seq.num_computed, seq.num_tokens) // self.config.block_size
@@ -545,6 +575,7 @@ class Scheduler:
             del self.held[seq.request_id]
             seq.num_computed = len(seq.prompt_ids)
             seq.cached_tokens = token.cached_tokens  # what the prefill worker reused
+            self._name_full_blocks(seq)  # its prompt's KV is in place: later rooms may reuse it
             self.running.append(seq)
             outputs.append(self._append(seq, token))
         elif move.status is SequenceStatus.FINISHED:
@@ -594,7 +625,7 @@ class Scheduler:
     def _tail(self, seq: Sequence) -> Tail | None:
         """The partly filled block after `seq`'s full ones, as the cache may keep it: the tokens
         whose KV is in it (overlap: not a token still being sampled)."""
-        if not self.allocator.caching or seq.kv is KVRole.DECODE:
+        if not self.allocator.caching:
             return None
         full, partial = divmod(min(seq.num_computed, seq.num_tokens), self.config.block_size)
         if not partial or len(seq.block_table) <= full:

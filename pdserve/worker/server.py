@@ -238,7 +238,8 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
                 out: StepOutput = await q.get()
                 if out.room_blocks is not None:
                     yield line(RoomLine(room=Room(request_id=rid, blocks=out.room_blocks,
-                                                  worker_id=w.settings.worker_id)))
+                                                  worker_id=w.settings.worker_id,
+                                                  cached_blocks=out.room_cached)))
                     continue
                 yield line(output_line(out))
                 if out.finish_reason:
@@ -272,7 +273,8 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
                        "pdserve needs equal TP sizes")
                 logger.warning("request %s: %s", rid, why, extra=about(rid))
                 return error(ErrorCode.PREFILL_FAILED, why)
-            peer = KVPeer(body.decode.worker_id, tuple(ranks), tuple(body.decode.blocks))
+            peer = KVPeer(body.decode.worker_id, tuple(ranks), tuple(body.decode.blocks),
+                          body.decode.cached_blocks)
             q = worker.submit(rid, body.prompt_ids, body.params, peer)
             peer_rooms.add(rid, body.decode.worker_id, body.decode.incarnation)
         except (TypeError, ValueError, KeyError) as e:

@@ -219,10 +219,11 @@ class Worker:
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                peer: KVPeer | dict | None = None) -> asyncio.Queue:
         """Queue a request; its outputs arrive on the returned queue (the last has finish_reason).
-        `peer`: a `KVPeer`, or the dict the API builds ({"worker_id"} or {"bootstrap", "blocks"})."""
+        `peer`: a `KVPeer`, or the dict the API builds ({"worker_id"} or {"bootstrap", "blocks",
+        "cached_blocks"})."""
         if isinstance(peer, dict):
             peer = KVPeer(peer.get("worker_id", ""), tuple(peer.get("bootstrap", ())),
-                          tuple(peer.get("blocks", ())))
+                          tuple(peer.get("blocks", ())), int(peer.get("cached_blocks", 0)))
         self.engine.check(prompt_ids, params)  # before anything is booked for it
         q: asyncio.Queue = asyncio.Queue()
         with self._lock:

@@ -103,20 +103,21 @@ def test_a_shared_system_prompt_is_a_prefix_too():
     assert adm.routing.decisions == {Reason.PREFIX: 1, Reason.BALANCE: 0, Reason.LOAD: 1}
 
 
-def test_the_prefill_worker_is_chosen_by_prefix_and_the_decode_worker_by_load():
+def test_pd_chooses_both_workers_by_prefix():
     pool = pool_of(prefill=2, decode=2)
     adm = Admission(pool, AdmissionConfig())
 
     async def go():
         first = (await admit(adm, prompt(0)))[0]
         finish(first)
-        d_busy = first.decode
-        d_busy.load = Load(running=1)
+        first.prefill.load = first.decode.load = Load(running=1)
         second = (await admit(adm, prompt(0) + [5] * 20))[0]
-        assert second.prefill is first.prefill  # its prefix is there
-        assert second.decode is not d_busy      # decode workers cache no prefix: the least loaded
+        assert second.prefill is first.prefill  # it computes only what it lacks
+        assert second.decode is first.decode    # it keeps the KV it received: fewer blocks travel
+        third = (await admit(adm, prompt(1, shared=False)))[0]
+        assert third.prefill is not first.prefill and third.decode is not first.decode  # the least loaded
     asyncio.run(go())
-    assert adm.routing.decisions == {Reason.PREFIX: 1, Reason.BALANCE: 0, Reason.LOAD: 1}
+    assert adm.routing.decisions == {Reason.PREFIX: 2, Reason.BALANCE: 0, Reason.LOAD: 4}
 
 
 def test_an_overloaded_holder_is_passed_over_for_the_least_loaded():

@@ -5,7 +5,7 @@ never preempted; the prefix cache's cached blocks count as free for all of this.
 from __future__ import annotations
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import KVRole
+from pdserve.engine.sequence import FinishReason, KVRole
 from pdserve.kvcache import BlockAllocator, block_hashes
 from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig
 from pdserve.scheduler.plan import KVPeer, SampledToken, TransferKind, TransferOutcome
@@ -114,3 +114,41 @@ def test_a_tail_gives_the_tokens_after_the_last_full_block_to_one_request():
     assert b.block_table[3] == tail[0] and s.allocator.refcount(tail[0]) == 1  # b alone holds it
     assert c.block_table[:3] == b.block_table[:3] and c.block_table[3] != tail[0]
     assert s.allocator.find_tail(parent, [22, 23]) == (-1, 0)  # taken: no longer cached
+
+
+def room(rid: str, prompt: list[int], max_tokens: int = 3) -> NewRequest:
+    return NewRequest(rid, prompt, SamplingParams(temperature=0, max_tokens=max_tokens), kv=KVRole.DECODE,
+                      peer=KVPeer("p"))
+
+
+def test_a_decode_room_holds_the_blocks_its_worker_kept_and_asks_only_for_the_rest():
+    """A decode worker's cache serves its rooms: a room whose prompt starts with blocks the
+    worker holds takes them (the plan says how many, `StepPlan.room_hits`) and offers the
+    prefill worker only fresh blocks for the rest. Every room's cached blocks are held before
+    any room's blocks are allocated: here the second room's allocation would otherwise evict
+    the first's (the least recently used). An aborted room leaves the cache as it found it."""
+    s = make(7, caching=True)
+    d = Driver(s)
+    kept = list(range(10, 22))  # 3 full blocks
+    for rid, prompt in (("kept", kept), ("newer", list(range(100, 112)))):
+        d.step(Inbox(new=[NewRequest(rid, prompt, SamplingParams(temperature=0, max_tokens=1))]))
+        while s.has_work():
+            d.step()
+    held_before = s.allocator.lookup(block_hashes(kept, 4, b""))
+    assert len(held_before) == 3 and s.allocator.num_cached == 6 and s.allocator.num_empty == 1
+
+    plan = d.step(Inbox(new=[room("other", list(range(200, 212))), room("turn", kept + [7])]))
+    assert [r.request_id for r in plan.admitted] == ["other", "turn"] and plan.room_hits == {"turn": 3}
+    turn, other = s.seqs["turn"].block_table, s.seqs["other"].block_table
+    assert turn[:3] == held_before and len(turn) == 4 and len(other) == 3 and not set(other) & set(turn)
+    assert not any(s.allocator.is_cached(b) for b in other + turn[3:])
+
+    # the KV of "turn" lands: it decodes from its prompt's end; "other" is aborted before its KV
+    d.step(Inbox(aborts=[("other", FinishReason.ABORT)]),
+           transfers=[TransferOutcome("turn", TransferKind.ARRIVED, SampledToken("turn", 5))])
+    d.step(transfers=[TransferOutcome("other", TransferKind.FENCED)])
+    while s.has_work():
+        d.step()
+    assert s.allocator.num_used == 0
+    assert s.allocator.lookup(block_hashes(kept, 4, b"")) == held_before  # still cached, never written
+    assert not any(s.allocator.is_cached(b) for b in other)  # its blocks never held KV

@@ -134,7 +134,7 @@ class PDClient:
     async def _prefill(self, req: api.GenerateRequest, room: api.Room) -> None:
         body = api.PrefillRequest(request_id=req.request_id, prompt_ids=req.prompt_ids, params=req.params,
                                   decode=api.DecodeTarget(worker_id=room.worker_id, decode_url=self.decode.url,
-                                                          blocks=room.blocks))
+                                                          blocks=room.blocks, cached_blocks=room.cached_blocks))
         r = await self.http.post(self.prefill.url + "/prefill", headers={"X-Request-Id": req.request_id},
                                  json=body.wire())
         if r.status_code != 200:  # a failed prefill is an error status (ErrorBody)

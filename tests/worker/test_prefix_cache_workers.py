@@ -2,7 +2,8 @@
 colocated and PD (the prefill worker reuses its cache, the decode worker gets the prompt's KV
 from it), give the greedy tokens of a cache-off engine for every prompt; the decode's last
 line reports the prompt tokens the cache supplied (a repeated prompt: the KV its first run left,
-bar its last token);
+bar its last token); in PD the decode worker keeps what it received too, so a later turn's room
+asks the prefill worker only for the blocks it lacks (a repeated prompt: its last partial block);
 the divergence check never fires, and the pools come back."""
 from __future__ import annotations
 
@@ -25,19 +26,20 @@ BS = 16  # the workers' default block size
 
 
 async def generate(http: httpx.AsyncClient, prefill, decode, rid: str, prompt: list[int]
-                   ) -> tuple[list[int], int]:
-    """(tokens, cached_tokens) of one request, PD when `prefill` is given."""
+                   ) -> tuple[list[int], int, api.Room | None]:
+    """(tokens, cached_tokens, the decode worker's room) of one request, PD when `prefill` is given."""
     body = api.GenerateRequest(request_id=rid, prompt_ids=prompt, params=api.SamplingParams(**GREEDY))
     if prefill is not None:
         body.prefill_url, body.prefill_worker_id = prefill.url, prefill.worker_id
-    tokens, prefill_call = [], None
+    tokens, prefill_call, room = [], None, None
     async with http.stream("POST", decode.url + "/generate", json=body.wire()) as r:
         assert r.status_code == 200, await r.aread()
         async for text in r.aiter_lines():
             msg = api.parse_line(text)
             if isinstance(msg, api.RoomLine):
+                room = msg.room
                 target = api.DecodeTarget(worker_id=msg.room.worker_id, decode_url=decode.url,
-                                          blocks=msg.room.blocks)
+                                          blocks=msg.room.blocks, cached_blocks=msg.room.cached_blocks)
                 req = api.PrefillRequest(request_id=rid, prompt_ids=prompt, params=body.params, decode=target)
                 prefill_call = asyncio.create_task(http.post(prefill.url + "/prefill", json=req.wire()))
                 continue
@@ -47,7 +49,7 @@ async def generate(http: httpx.AsyncClient, prefill, decode, rid: str, prompt: l
                 if prefill_call is not None:  # the prefill worker's own count agrees
                     done = api.PrefillDone.model_validate((await prefill_call).json())
                     assert done.cached_tokens == msg.cached_tokens
-                return tokens, msg.cached_tokens
+                return tokens, msg.cached_tokens, room
     raise AssertionError("the stream ended without a finish")
 
 
@@ -66,8 +68,8 @@ def conversation(prefill, decode, sessions: int = 3, turns: int = 3, seed: int =
                 prompts = [list(h) for h in history]
                 got = await asyncio.gather(*(generate(http, prefill, decode, f"c{seed}-{s}-{t}", p)
                                              for s, p in enumerate(prompts)))
-                for h, p, (tokens, cached) in zip(history, prompts, got):
-                    out.append((p, tokens, cached))
+                for h, p, (tokens, cached, room) in zip(history, prompts, got):
+                    out.append((p, tokens, cached, room))
                     h += tokens
             # the last prompt again: what its first run computed comes from the cache
             p = out[-1][0]
@@ -90,11 +92,11 @@ def reference(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
 def check(model_dir: str, results, outputs_cached: int) -> None:
     """`outputs_cached`: how many output tokens' KV a request leaves in the worker that
     computed its prompt (a colocated worker's; none on a prefill worker)."""
-    prompts = [p for p, _, _ in results]
+    prompts = [p for p, _, _, _ in results]
     ref = reference(model_dir, prompts)
-    for (p, tokens, _), r in zip(results, ref):
+    for (p, tokens, _, _), r in zip(results, ref):
         assert tokens == r or near_tie(model_dir, p, tokens, r), (p, tokens, r)
-    cached = [c for _, _, c in results]
+    cached = [c for _, _, c, _ in results]
     assert min(cached[:3]) == 0  # the first request scheduled found nothing cached
     assert all(c > 0 for c in cached[3:])  # later turns reuse the conversation so far
     # the repeat of the last prompt: its full blocks; then, unless the first run filled the block
@@ -102,6 +104,19 @@ def check(model_dir: str, results, outputs_cached: int) -> None:
     n = len(prompts[-1])
     full = (n - 1) // BS
     assert cached[-1] == (full * BS if n + outputs_cached >= (full + 1) * BS else n - 1)
+
+
+def check_rooms(results) -> None:
+    """PD: each room holds the conversation's blocks the decode worker kept (its full blocks
+    of earlier prompts and answers) and asks for the rest; the repeat of the last prompt asks
+    only for its last partial block."""
+    rooms = [room for _, _, _, room in results]
+    assert min(r.cached_blocks for r in rooms[:3]) == 0  # the first room admitted found nothing kept
+    assert all(r.cached_blocks > 0 for r in rooms[3:])   # later turns: the turns before
+    for p, _, _, room in results:
+        assert room.cached_blocks + len(room.blocks) == -(-len(p) // BS)
+    n = len(results[-1][0])
+    assert (rooms[-1].cached_blocks, len(rooms[-1].blocks)) == (n // BS, int(n % BS > 0))
 
 
 @pytest.mark.e2e
@@ -115,7 +130,9 @@ def test_multiturn_tp2_colocated_and_pd_equal_a_cache_off_engine(tiny_llama4_dir
         check(tiny_llama4_dir, conversation(None, both, seed=1), GREEDY["max_tokens"] - 1)
         assert both.get("/health").status_code == 200  # no divergence was found
         wait_for(lambda: pool_full(both), 20, "pool full")
-        check(tiny_llama4_dir, conversation(prefill, decode, seed=2), 0)
+        results = conversation(prefill, decode, seed=2)
+        check(tiny_llama4_dir, results, 0)
+        check_rooms(results)
         assert prefill.get("/health").status_code == 200 and decode.get("/health").status_code == 200
         metrics = prefill.get("/metrics").text
         assert "pdserve:prefix_cache_hits_total" in metrics
