@@ -25,6 +25,7 @@ class _RequestStats:
     prompt_tokens: int
     generated: int = 0
     write_at: float | None = None  # prefill: when its KV write started
+    blocks_kept: int = 0  # prefill: the prompt's leading blocks the decode worker holds (not sent)
 
 
 class Accounting:
@@ -39,9 +40,9 @@ class Accounting:
         self._agent_counts: dict[str, int] = {}
         self.transfer: dict[str, int] = {}  # the agent's counters, as of the last snapshot
 
-    def started(self, rid: str, prompt_tokens: int) -> None:
+    def started(self, rid: str, prompt_tokens: int, blocks_kept: int = 0) -> None:
         with self._lock:
-            self._stats[rid] = _RequestStats(time.monotonic(), prompt_tokens)
+            self._stats[rid] = _RequestStats(time.monotonic(), prompt_tokens, blocks_kept=blocks_kept)
         self.aborts.started(rid)
 
     def step(self, step_s: float, agree_s: float) -> None:
@@ -89,7 +90,7 @@ class Accounting:
                 st.write_at = now
                 continue
             if out.finish_reason is FinishReason.PREFILLED and st.write_at is not None:
-                blocks = -(-st.prompt_tokens // self.block_size)
+                blocks = -(-st.prompt_tokens // self.block_size) - st.blocks_kept  # the blocks written
                 self.metrics.kv_transferred(now - st.write_at, blocks * self.kv_bytes_per_block)
             if out.finish_reason:
                 self._finished(out, st, now)

@@ -230,7 +230,7 @@ class Worker:
             if request_id in self._queues:
                 raise ValueError(f"request id {request_id!r} is already in use")
             self._queues[request_id] = (asyncio.get_running_loop(), q)
-        self.accounting.started(request_id, len(prompt_ids))
+        self.accounting.started(request_id, len(prompt_ids), peer.cached_blocks if peer is not None else 0)
         logger.debug("request %s: %d prompt tokens", request_id, len(prompt_ids), extra=about(request_id))
         self.engine.add_request(request_id, prompt_ids, params, peer)
         self._wake.set()

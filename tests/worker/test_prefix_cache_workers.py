@@ -3,7 +3,8 @@ colocated and PD (the prefill worker reuses its cache, the decode worker gets th
 from it), give the greedy tokens of a cache-off engine for every prompt; the decode's last
 line reports the prompt tokens the cache supplied (a repeated prompt: the KV its first run left,
 bar its last token); in PD the decode worker keeps what it received too, so a later turn's room
-asks the prefill worker only for the blocks it lacks (a repeated prompt: its last partial block);
+asks the prefill worker only for the blocks it lacks (a repeated prompt: its last partial block),
+and only those travel;
 the divergence check never fires, and the pools come back."""
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
 
 from .conftest import pool_full, ready, start_worker, stop_all, wait_for
+from .test_pd_worker import metric
 from .test_tp import near_tie
 
 GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
@@ -133,6 +135,10 @@ def test_multiturn_tp2_colocated_and_pd_equal_a_cache_off_engine(tiny_llama4_dir
         results = conversation(prefill, decode, seed=2)
         check(tiny_llama4_dir, results, 0)
         check_rooms(results)
+        # what the prefill worker sent: the rooms' blocks, not the prompts' (2 layers × K, V × 4 KV
+        # heads × 16 dims × fp32 × 16 tokens a block, over both ranks)
+        sent = sum(len(room.blocks) for _, _, _, room in results) * 2 * 2 * 4 * 16 * 4 * BS
+        wait_for(lambda: metric(prefill, "pdserve:kv_transfer_bytes_total") == sent, 20, "the bytes sent")
         assert prefill.get("/health").status_code == 200 and decode.get("/health").status_code == 200
         metrics = prefill.get("/metrics").text
         assert "pdserve:prefix_cache_hits_total" in metrics
