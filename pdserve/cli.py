@@ -47,6 +47,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--index-cache-dtype", default=d.index_cache_dtype, choices=["bfloat16", "fp8", "float32"],
                    help="DSA index keys of DeepSeek-V3.2/GLM-5 models in the KV cache: bfloat16 (the "
                         "default: fp8 keys lose long-context recall), fp8 (e4m3, one scale per token) or float32")
+    p.add_argument("--kv-cache-dtype", default=d.kv_cache_dtype, choices=["auto", "float32", "float16"],
+                   help="K/V in the KV cache: auto (the compute dtype: fp32 on a CPU, the model's on a "
+                        "GPU) or, on a CPU, float16 (half the bytes a step reads and a pool holds; each "
+                        "value rounded once when stored: docs/kv-cache-dtype.md)")
     p.add_argument("--threads", type=int, default=d.threads,
                    help="torch CPU threads per process (0, the default: this machine's cores divided "
                         "between the worker's ranks here)")
@@ -80,6 +84,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         threads=args.threads or _default_threads(args), kernels=args.kernels,
                         nvfp4_mode=args.nvfp4_mode,
                         index_cache_dtype=args.index_cache_dtype, quantization=args.quantization,
+                        kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                         prefix_cache=getattr(args, "prefix_cache", True),
                         host_cache_memory=getattr(args, "host_cache_memory", 0) or 0,
                         overlap=getattr(args, "overlap", False))

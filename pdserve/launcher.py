@@ -231,7 +231,7 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = []
     for name in ("tp", "dtype", "device", "block_size", "kv_cache_memory", "max_num_seqs",
                  "max_num_batched_tokens", "max_prefill_tokens", "first_token_slack", "max_model_len", "threads",
-                 "index_cache_dtype", "kernels", "quantization", "host_cache_memory"):
+                 "index_cache_dtype", "kv_cache_dtype", "kernels", "quantization", "host_cache_memory"):
         value = getattr(args, name, None)
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
@@ -583,6 +583,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                         "kernels each get every core: docs/cpu-threads.md)")
     e.add_argument("--index-cache-dtype", default=None, choices=["bfloat16", "fp8", "float32"],
                    help="DSA index keys in the KV cache (DeepSeek-V3.2/GLM-5; default bfloat16)")
+    e.add_argument("--kv-cache-dtype", default=None, choices=["auto", "float32", "float16"],
+                   help="K/V in the workers' KV caches: auto (default: the compute dtype) or float16 on "
+                        "a CPU (docs/kv-cache-dtype.md)")
     e.add_argument("--kernels", default=None, choices=["auto", "torch", "native"],
                    help="compute kernels of the workers: auto (default), torch or native")
     e.add_argument("--quantization", default=None, choices=["auto", "none", "gguf", "int8", "int4"],

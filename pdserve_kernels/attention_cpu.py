@@ -1,4 +1,4 @@
-"""Paged attention on the native CPU kernels of csrc/cpu (fp32).
+"""Paged attention on the native CPU kernels of csrc/cpu (fp32 queries; fp32 or fp16 K/V).
 
 Same signature and result as `attention.paged_attention` (the reference it is tested against).
 K/V are read in place from the paged cache through the block tables, every sequence and KV head
@@ -26,7 +26,7 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         block_tables: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal attention of new tokens over the paged cache (which already holds them)."""
     num_seqs = len(context_lens)
-    if not (num_seqs and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+    if not (num_seqs and q.dtype == torch.float32 and cpu_lib.cache_is_half(k_cache, v_cache) is not None
             and q.device.type == "cpu" and q.shape[-1] == k_cache.shape[-1]):
         return paged_attention(q, k_cache, v_cache, query_start_loc, context_lens, block_tables, scale)
     lens, tables, starts = _step_tensors(block_tables, context_lens, query_start_loc)

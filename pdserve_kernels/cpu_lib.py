@@ -34,7 +34,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LIB_NAME = "libpdserve_cpu.so"
-ABI_VERSION = 13
+ABI_VERSION = 14
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp-simd", "-pthread", "-DNDEBUG")
 UNIT_FLAGS: dict[str, tuple[str, ...]] = {
@@ -164,22 +164,22 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
     lib.pds_cpu_dequantize.restype = _I
     lib.pds_cpu_dequantize.argtypes = [_I, _P, _I64, _I64, _P, _I, _I]
     lib.pds_cpu_paged_decode_attention.restype = _I
-    lib.pds_cpu_paged_decode_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, *[_I64] * 5,
+    lib.pds_cpu_paged_decode_attention.argtypes = [_P, _I64, _P, _P, _I, _P, _I64, _P, *[_I64] * 5,
                                                    ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_paged_extend_attention.restype = _I
-    lib.pds_cpu_paged_extend_attention.argtypes = [_P, _I64, _P, _P, _P, _I64, _P, _P, *[_I64] * 5,
+    lib.pds_cpu_paged_extend_attention.argtypes = [_P, _I64, _P, _P, _I, _P, _I64, _P, _P, *[_I64] * 5,
                                                    ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_add_rms_norm.restype = _I
     lib.pds_cpu_add_rms_norm.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.c_float, _I]
     lib.pds_cpu_attention_block.restype = _I
     lib.pds_cpu_attention_block.argtypes = [_P, _P, _P, ctypes.c_float, _I, _P, _P, _P, _I, _P, _P,
-                                            _P, _P, _P, _P, _P, _P, _P, _I64, _P, _P, *[_I64] * 6,
+                                            _P, _P, _P, _P, _P, _I, _P, _P, _I64, _P, _P, *[_I64] * 6,
                                             ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_mlp_block.restype = _I
     lib.pds_cpu_mlp_block.argtypes = [_P, _P, _P, ctypes.c_float, _I, _P, _P, _P, _I, _P, _P, _P,
                                       _I64, _I64, _I64, _P, _I, _I]
     lib.pds_cpu_fused_layers.restype = _I
-    lib.pds_cpu_fused_layers.argtypes = [_P, _I64, _P, _P, ctypes.c_float, _P, _P, _P, _P, _I64, _P, _P,
+    lib.pds_cpu_fused_layers.argtypes = [_P, _I64, _P, _P, ctypes.c_float, _P, _P, _I, _P, _P, _I64, _P, _P,
                                          *[_I64] * 7, ctypes.c_float, _P, _I, _I]
     lib.pds_cpu_qmatmul_packed.restype = _I
     lib.pds_cpu_qmatmul_packed.argtypes = [_I, _P, _I64, _I64, _P, _P, _I64, _P, _I]
@@ -244,24 +244,35 @@ def dequantize(fmt: int, blocks: torch.Tensor, n: int, k: int, isa: str | None =
     return out
 
 
+def cache_is_half(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool | None:
+    """True for fp16 caches, False for fp32 ones, None for caches the kernels do not read (other
+    dtypes, K and V of different dtypes, fp16 with a head_dim not a multiple of 16)."""
+    if k_cache.dtype != v_cache.dtype:
+        return None
+    if k_cache.dtype == torch.float16:
+        return None if k_cache.shape[-1] % 16 else True
+    return False if k_cache.dtype == torch.float32 else None
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, lens: torch.Tensor, scale: float,
                            isa: str | None = None, threads: int | None = None) -> torch.Tensor:
     """out[B, heads, head_dim]: each sequence's one query over its first `lens[b]` cached tokens,
-    K/V read in place through `block_tables` (fp32 q and caches `[blocks, block_size, kv_heads,
-    head_dim]`; int64 tables and lens; q's heads and head_dim contiguous, any token stride)."""
+    K/V read in place through `block_tables` (fp32 q; caches `[blocks, block_size, kv_heads,
+    head_dim]`, both fp32 or both fp16 (`cache_is_half`); int64 tables and lens; q's heads and
+    head_dim contiguous, any token stride)."""
     lib = _loaded()
     B, heads, d = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if (q.dtype, k_cache.dtype, v_cache.dtype) != (torch.float32,) * 3 or q.stride()[1:] != (d, 1) \
+    if q.dtype != torch.float32 or cache_is_half(k_cache, v_cache) is None or q.stride()[1:] != (d, 1) \
             or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or block_tables.stride(-1) != 1 \
             or block_tables.dtype != torch.int64 or lens.dtype != torch.int64 or not lens.is_contiguous():
         raise ValueError("paged_decode_attention: fp32 q (heads, head_dim contiguous), contiguous fp32 "
-                         "caches, int64 block tables (rows contiguous) and lengths")
+                         "or fp16 caches, int64 block tables (rows contiguous) and lengths")
     out = torch.empty(B, heads, d, dtype=torch.float32)
     status = lib.pds_cpu_paged_decode_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), lens.data_ptr(), B, heads, kv_heads, d, block_size, scale,
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(cache_is_half(k_cache, v_cache)),
+        block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), B, heads, kv_heads, d, block_size, scale,
         out.data_ptr(), ISAS[isa or default_isa()], threads or num_threads())
     if status:
         why = "instruction set unavailable" if status == 1 else "bad arguments"
@@ -275,23 +286,24 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            isa: str | None = None, threads: int | None = None) -> torch.Tensor:
     """out[T, heads, head_dim]: causal attention of each sequence's new tokens (q rows
     `starts[b]:starts[b+1]`, the last of its `lens[b]` positions) over its context, K/V read in
-    place through `block_tables` (fp32 q and caches `[blocks, block_size, kv_heads, head_dim]`;
-    int64 tables, lens and starts; q's heads and head_dim contiguous, any token stride)."""
+    place through `block_tables` (fp32 q; caches `[blocks, block_size, kv_heads, head_dim]`, both
+    fp32 or both fp16; int64 tables, lens and starts; q's heads and head_dim contiguous, any token
+    stride)."""
     lib = _loaded()
     T, heads, d = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if (q.dtype, k_cache.dtype, v_cache.dtype) != (torch.float32,) * 3 or q.stride()[1:] != (d, 1) \
+    if q.dtype != torch.float32 or cache_is_half(k_cache, v_cache) is None or q.stride()[1:] != (d, 1) \
             or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or block_tables.stride(-1) != 1 \
             or block_tables.dtype != torch.int64 or lens.dtype != torch.int64 or not lens.is_contiguous() \
             or starts.dtype != torch.int64 or not starts.is_contiguous() or starts.numel() != lens.numel() + 1 \
             or int(starts[-1]) != T:
-        raise ValueError("paged_extend_attention: fp32 q (heads, head_dim contiguous), contiguous fp32 caches, "
+        raise ValueError("paged_extend_attention: fp32 q (heads, head_dim contiguous), contiguous fp32 or fp16 caches, "
                          "int64 block tables (rows contiguous), lengths and starts (one more than lengths, "
                          "the last = q's rows)")
     out = torch.empty(T, heads, d, dtype=torch.float32)
     status = lib.pds_cpu_paged_extend_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), lens.data_ptr(), starts.data_ptr(), lens.numel(), heads, kv_heads, d, block_size,
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(cache_is_half(k_cache, v_cache)),
+        block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), starts.data_ptr(), lens.numel(), heads, kv_heads, d, block_size,
         scale, out.data_ptr(), ISAS[isa or default_isa()], threads or num_threads())
     if status:
         why = f"instruction set {isa or default_isa()} unavailable" if status == 1 else "bad arguments"
@@ -375,7 +387,7 @@ def attention_block(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torc
     """The attention half of a decoder layer for M token rows of B sequences in one call
     (csrc/cpu/layer_block.cpp): `x += residual`, RMSNorm, qkv, RoPE, KV store, paged attention,
     o_proj into `out` [M, hidden]. The caller guarantees the layouts (`pdserve_kernels.layer_blocks`
-    checks them): contiguous fp32 x/residual/out/cos/sin/caches, uint8 weight blocks, int64 slots,
+    checks them): contiguous fp32 x/residual/out/cos/sin, fp32 or fp16 caches, uint8 weight blocks, int64 slots,
     tables (rows contiguous), lens and starts (sequence b's rows `starts[b]:starts[b+1]`; None:
     one row a sequence). `*_packed`: (qs, dm) of `pack` to multiply by instead
     of the blocks (AVX-512), or None."""
@@ -386,7 +398,7 @@ def attention_block(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torc
         x.data_ptr(), None if residual is None else residual.data_ptr(), norm_w.data_ptr(), eps, qkv_fmt,
         qkv_w.data_ptr(), *_packed_ptrs(qkv_packed), o_fmt, o_w.data_ptr(), *_packed_ptrs(o_packed),
         cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        v_cache.data_ptr(), int(cache_is_half(k_cache, v_cache)), slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         None if starts is None else starts.data_ptr(), lens.numel(), hidden, heads, kv_heads, head_dim, block_size,
         scale, out.data_ptr(), ISAS[isa or default_isa()], threads or num_threads())
     if status:
@@ -417,16 +429,17 @@ def fused_layers(table: torch.Tensor, x: torch.Tensor, final_w: torch.Tensor, ep
                  sin: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
                  starts: torch.Tensor | None, heads: int,
                  kv_heads: int, head_dim: int, block_size: int, inter: int, scale: float, out: torch.Tensor,
-                 isa: str | None = None, threads: int | None = None) -> torch.Tensor:
+                 isa: str | None = None, threads: int | None = None, kv_half: bool = False) -> torch.Tensor:
     """Every layer's two blocks, then the final norm, in one call (csrc/cpu/layer_stack.cpp).
     `table`: int64 [layers, 20], one row of pointers and formats per layer
     (`pdserve_kernels.layer_blocks.LayerStack` builds it); `x` [M, hidden] is used as scratch;
-    `out` [M, hidden] receives the normed hidden states. Layouts as in `attention_block`."""
+    `out` [M, hidden] receives the normed hidden states; `kv_half`: every layer's caches are fp16.
+    Layouts as in `attention_block`."""
     lib = _loaded()
     M, hidden = x.shape
     status = lib.pds_cpu_fused_layers(
         table.data_ptr(), table.shape[0], x.data_ptr(), final_w.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(),
-        slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        int(kv_half), slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
         None if starts is None else starts.data_ptr(), lens.numel(), hidden, heads, kv_heads,
         head_dim, block_size, inter, scale, out.data_ptr(), ISAS[isa or default_isa()],
         threads or num_threads())

@@ -67,6 +67,12 @@ def _fp32_rows(*tensors: torch.Tensor | None) -> bool:
                for t in tensors)
 
 
+def _caches(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """K/V caches the native blocks read: contiguous on the CPU, both fp32 or both fp16."""
+    return (k_cache.device.type == "cpu" and k_cache.is_contiguous() and v_cache.is_contiguous()
+            and cpu_lib.cache_is_half(k_cache, v_cache) is not None)
+
+
 def _int64_rows(*tensors: torch.Tensor | None) -> bool:
     return all(t is None or (t.dtype == torch.int64 and t.stride(-1) == 1) for t in tensors)
 
@@ -81,7 +87,7 @@ def attention_block_cpu(x: torch.Tensor, residual: torch.Tensor | None, norm_w: 
     """One native call (same arguments and result as the reference; packed weights, when given,
     multiply every row, so that a row's result never depends on the batch's size); other
     layouts run the reference."""
-    if not (_fp32_rows(x, residual, norm_w, cos, sin, k_cache, v_cache)
+    if not (_fp32_rows(x, residual, norm_w, cos, sin) and _caches(k_cache, v_cache)
             and _int64_rows(slots, tables, lens, starts)
             and qkv_w.dtype == o_w.dtype == torch.uint8 and qkv_w.is_contiguous() and o_w.is_contiguous()
             and k_cache.shape[-2] == kv_heads and k_cache.shape[-1] % 2 == 0):
@@ -175,11 +181,12 @@ def fused_layers_cpu(x: torch.Tensor, stack: LayerStack, cos: torch.Tensor, sin:
     """One native call (the same result as the reference, bit for bit the per-layer native
     blocks'); layouts the kernel does not take run the reference."""
     first = stack.layers[0]
-    if not (_fp32_rows(x, cos, sin, first.k_cache, first.v_cache, stack.final_norm)
+    if not (_fp32_rows(x, cos, sin, stack.final_norm) and _caches(first.k_cache, first.v_cache)
             and _int64_rows(slots, tables, lens, starts)
             and first.k_cache.shape[-2] == stack.kv_heads and stack.head_dim % 2 == 0):
         return fused_layers(x, stack, cos, sin, slots, tables, lens, starts)
     out = torch.empty_like(x)
     return cpu_lib.fused_layers(stack.table(), x, stack.final_norm, stack.eps, cos, sin, slots, tables, lens,
                                 starts, stack.heads, stack.kv_heads, stack.head_dim, first.k_cache.shape[1],
-                                stack.inter, stack.scale, out)
+                                stack.inter, stack.scale, out,
+                                kv_half=bool(cpu_lib.cache_is_half(first.k_cache, first.v_cache)))

@@ -57,10 +57,10 @@ def all_logits():
 
 
 def _all_logits(model: torch.nn.Module, ids: list[int], chunk: int | None = None, block_size: int = 4,
-                index_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                index_dtype: torch.dtype = torch.float32, cache_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Logits at every position of `ids`, computed in chunks of `chunk` tokens through the cache
-    (DSA index keys, where the model has them, cached as `index_dtype`)."""
-    specs = model.cache_spec(torch.float32, index_dtype)
+    (K/V cached as `cache_dtype`; DSA index keys, where the model has them, as `index_dtype`)."""
+    specs = model.cache_spec(cache_dtype, index_dtype)
     n_blocks = -(-len(ids) // block_size) + 1
     pool = KVPool(specs, n_blocks, block_size)
     runner = ModelRunner(model, pool)

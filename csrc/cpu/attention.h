@@ -1,5 +1,6 @@
 // Paged attention on the CPU. Decode: one query token per sequence over its K/V read in place
-// from the paged cache (`[blocks, block_size, kv_heads, head_dim]`, fp32) through its block
+// from the paged cache (`[blocks, block_size, kv_heads, head_dim]`, fp32 or IEEE fp16: `kv_half`;
+// an fp16 element is widened to fp32 exactly on load, so the arithmetic is the same) through its block
 // table. GQA: the `heads / kv_heads` query heads of one KV head are one unit of work, so each
 // key and value row is read once for all of them. Softmax is online (running max and sum, per
 // chunk of keys), so no score row of the whole context is ever stored.
@@ -11,8 +12,9 @@ namespace pds_cpu {
 struct DecodeAttention {
   const float* q;            // [B][heads][head_dim], token row stride q_stride (floats)
   int64_t q_stride;
-  const float* k_cache;      // [blocks][block_size][kv_heads][head_dim]
-  const float* v_cache;
+  const void* k_cache;       // [blocks][block_size][kv_heads][head_dim], float or uint16_t (fp16)
+  const void* v_cache;
+  bool kv_half;              // the caches hold fp16
   const int64_t* tables;     // [B][table_stride] block ids
   int64_t table_stride;
   const int64_t* lens;       // [B] context lengths (the new token included)
@@ -51,8 +53,9 @@ inline void decode_attention_unit(const DecodeAttention& a, int64_t b, int64_t k
 struct ExtendAttention {
   const float* q;            // [T][heads][head_dim], token row stride q_stride (floats)
   int64_t q_stride;
-  const float* k_cache;      // [blocks][block_size][kv_heads][head_dim]
-  const float* v_cache;
+  const void* k_cache;       // [blocks][block_size][kv_heads][head_dim], float or uint16_t (fp16)
+  const void* v_cache;
+  bool kv_half;              // the caches hold fp16 (head_dim a multiple of 16)
   const int64_t* tables;     // [B][table_stride] block ids
   int64_t table_stride;
   const int64_t* lens;       // [B] context lengths (cached + new)
@@ -78,7 +81,8 @@ static inline int64_t extend_tokens_per_tile(const ExtendAttention& a) {
 // Scratch floats one unit needs (the caller gives each thread its own): query rows padded to 16.
 static inline int64_t extend_attention_scratch(const ExtendAttention& a) {
   const int64_t rows = (extend_tokens_per_tile(a) * (a.heads / a.kv_heads) + 15) / 16 * 16;
-  return rows * (2 * a.head_dim + kExtendKeys + 3);
+  // + one chunk of keys (then values) widened to fp32 when the cache holds fp16
+  return rows * (2 * a.head_dim + kExtendKeys + 3) + (a.kv_half ? kExtendKeys * a.head_dim : 0);
 }
 
 // Sequence `b`, KV head `kvh`, new tokens [tok0, tok0 + tokens per tile) (clipped): one unit.

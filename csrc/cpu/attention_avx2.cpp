@@ -1,7 +1,8 @@
-// Paged decode attention (see attention.h), compiled with AVX2 + FMA. head_dim a multiple of 8
-// (64, 128: every model here) takes the intrinsics path: per chunk of keys, the scores of every
-// query head of the group, one vectorized exp over them, then each value row added to every
-// head's accumulator. Other head sizes take a plain `omp simd` loop of the same arithmetic.
+// Paged decode attention (see attention.h), compiled with AVX2 + FMA + F16C. head_dim a multiple
+// of 8 (64, 128: every model here) and every fp16 cache take the intrinsics path: per chunk of
+// keys, the scores of every query head of the group, one vectorized exp over them, then each
+// value row added to every head's accumulator. Other head sizes take a plain `omp simd` loop of
+// the same arithmetic.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -35,7 +36,15 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_and_ps(exp_clamped_avx2(_mm256_max_ps(x, lo)), zero_mask);
 }
 
-// The head_dim % 8 == 0 path; same scratch layout as the generic one, scores padded to 8.
+// 8 cache elements as fp32: fp32 as they are, fp16 widened (exactly)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The head_dim % 8 == 0 path over cache elements T; same scratch layout as the generic one,
+// scores padded to 8.
+template <class T>
 void decode_attention_vec(const DecodeAttention& a, int64_t b, int64_t kvh, float* scratch) {
   const int64_t group = a.heads / a.kv_heads, d = a.head_dim, bs = a.block_size;
   const int64_t len = a.lens[b], row = a.kv_heads * d;
@@ -57,16 +66,16 @@ void decode_attention_vec(const DecodeAttention& a, int64_t b, int64_t kvh, floa
     const int64_t base = (table[t0 / bs] * bs + off) * row + kvh * d;
     const int64_t padded = (n + 7) & ~int64_t{7};
     for (int64_t j = 0; j < n; ++j) {  // scores: each key row read once for the whole group
-      const float* k = a.k_cache + base + j * row;
+      const T* k = static_cast<const T*>(a.k_cache) + base + j * row;
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = q + g * d;
         __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
         int64_t i = 0;
         for (; i + 16 <= d; i += 16) {
-          s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), s0);
-          s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), _mm256_loadu_ps(k + i + 8), s1);
+          s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), load8(k + i), s0);
+          s1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i + 8), load8(k + i + 8), s1);
         }
-        if (i < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), _mm256_loadu_ps(k + i), s0);
+        if (i < d) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + i), load8(k + i), s0);
         scores[g * kKeysPerChunk + j] = hsum_avx2(_mm256_add_ps(s0, s1));
       }
     }
@@ -100,12 +109,12 @@ void decode_attention_vec(const DecodeAttention& a, int64_t b, int64_t kvh, floa
       }
     }
     for (int64_t j = 0; j < n; ++j) {  // values: each row read once for the whole group
-      const float* v = a.v_cache + base + j * row;
+      const T* v = static_cast<const T*>(a.v_cache) + base + j * row;
       for (int64_t g = 0; g < group; ++g) {
         const __m256 p = _mm256_set1_ps(scores[g * kKeysPerChunk + j]);
         float* o = acc + g * d;
         for (int64_t i = 0; i < d; i += 8)
-          _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + i), _mm256_loadu_ps(o + i)));
+          _mm256_storeu_ps(o + i, _mm256_fmadd_ps(p, load8(v + i), _mm256_loadu_ps(o + i)));
       }
     }
     t0 += n;
@@ -121,7 +130,8 @@ void decode_attention_vec(const DecodeAttention& a, int64_t b, int64_t kvh, floa
 }  // namespace
 
 void decode_attention_avx2(const DecodeAttention& a, int64_t b, int64_t kvh, float* scratch) {
-  if (a.head_dim % 8 == 0) return decode_attention_vec(a, b, kvh, scratch);
+  if (a.kv_half) return decode_attention_vec<uint16_t>(a, b, kvh, scratch);  // head_dim % 16 == 0 (checked)
+  if (a.head_dim % 8 == 0) return decode_attention_vec<float>(a, b, kvh, scratch);
   const int64_t group = a.heads / a.kv_heads, d = a.head_dim, bs = a.block_size;
   const int64_t len = a.lens[b], row = a.kv_heads * d;  // floats between neighbouring tokens
   const float* q = a.q + b * a.q_stride + kvh * group * d;
@@ -142,8 +152,8 @@ void decode_attention_avx2(const DecodeAttention& a, int64_t b, int64_t kvh, flo
     const int64_t off = t0 % bs, n = std::min({kKeysPerChunk, bs - off, len - t0});
     const int64_t base = (table[t0 / bs] * bs + off) * row + kvh * d;
     for (int64_t j = 0; j < n; ++j) {
-      kv_rows[j] = a.k_cache + base + j * row;
-      vv_rows[j] = a.v_cache + base + j * row;
+      kv_rows[j] = static_cast<const float*>(a.k_cache) + base + j * row;
+      vv_rows[j] = static_cast<const float*>(a.v_cache) + base + j * row;
     }
     for (int64_t g = 0; g < group; ++g) {
       float* s = scores + g * kKeysPerChunk;

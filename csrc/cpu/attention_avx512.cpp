@@ -1,5 +1,5 @@
 // Paged decode attention (attention.h) on AVX-512F for head_dim 64 or 128 and up to 8 query heads
-// per KV head (every model here); other shapes take the AVX2 kernel.
+// per KV head (every model here), over an fp32 or fp16 cache; other shapes take the AVX2 kernel.
 //
 // Why a second kernel: the AVX2 one keeps each head's output accumulator in memory (a load, an
 // FMA and a store per 8 dims per key and head) and sums each score with a 256-bit horizontal add.
@@ -22,8 +22,15 @@ namespace {
 
 constexpr int kChunk = 16;  // keys per softmax update (one vector of scores)
 
-// G query heads of head_dim 16 * D over one KV head; `probs` is scratch for G x 16 floats.
-template <int G, int D>
+// 16 cache elements as fp32: fp32 as they are, fp16 widened (exactly)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// G query heads of head_dim 16 * D over one KV head, cache elements T; `probs` is scratch for
+// G x 16 floats.
+template <int G, int D, class T>
 void decode_unit(const DecodeAttention& a, int64_t b, int64_t kvh, float* probs) {
   const int64_t d = 16 * D, bs = a.block_size, len = a.lens[b], row = a.kv_heads * d;
   const float* q = a.q + b * a.q_stride + kvh * G * d;
@@ -41,13 +48,15 @@ void decode_unit(const DecodeAttention& a, int64_t b, int64_t kvh, float* probs)
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int64_t t0 = 0; t0 < len;) {
     const int64_t off = t0 % bs, n = std::min<int64_t>({kChunk, bs - off, len - t0});
-    const float* k0 = a.k_cache + (table[t0 / bs] * bs + off) * row + kvh * d;
-    const float* v0 = a.v_cache + (table[t0 / bs] * bs + off) * row + kvh * d;
+    const T* k0 = static_cast<const T*>(a.k_cache) + (table[t0 / bs] * bs + off) * row + kvh * d;
+    const T* v0 = static_cast<const T*>(a.v_cache) + (table[t0 / bs] * bs + off) * row + kvh * d;
     for (int64_t j = 0; j < n; ++j) {  // scores: each key row read once for the group
-      const float* k = k0 + j * row;
+      const T* k = k0 + j * row;
+      __m512 kv[D];
+      for (int i = 0; i < D; ++i) kv[i] = load16(k + 16 * i);
       for (int g = 0; g < G; ++g) {
-        __m512 s = _mm512_mul_ps(qv[g][0], _mm512_loadu_ps(k));
-        for (int i = 1; i < D; ++i) s = _mm512_fmadd_ps(qv[g][i], _mm512_loadu_ps(k + 16 * i), s);
+        __m512 s = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int i = 1; i < D; ++i) s = _mm512_fmadd_ps(qv[g][i], kv[i], s);
         probs[g * kChunk + j] = _mm512_reduce_add_ps(s);
       }
     }
@@ -67,9 +76,9 @@ void decode_unit(const DecodeAttention& a, int64_t b, int64_t kvh, float* probs)
       }
     }
     for (int64_t j = 0; j < n; ++j) {  // values: each row loaded once for the group
-      const float* v = v0 + j * row;
+      const T* v = v0 + j * row;
       __m512 vv[D];
-      for (int i = 0; i < D; ++i) vv[i] = _mm512_loadu_ps(v + 16 * i);
+      for (int i = 0; i < D; ++i) vv[i] = load16(v + 16 * i);
       for (int g = 0; g < G; ++g) {
         const __m512 p = _mm512_set1_ps(probs[g * kChunk + j]);
         for (int i = 0; i < D; ++i) acc[g][i] = _mm512_fmadd_ps(p, vv[i], acc[g][i]);
@@ -84,19 +93,24 @@ void decode_unit(const DecodeAttention& a, int64_t b, int64_t kvh, float* probs)
   }
 }
 
-template <int D>
+template <int D, class T>
 bool decode_group(const DecodeAttention& a, int64_t b, int64_t kvh, float* probs) {
   switch (a.heads / a.kv_heads) {
-    case 1: decode_unit<1, D>(a, b, kvh, probs); return true;
-    case 2: decode_unit<2, D>(a, b, kvh, probs); return true;
-    case 3: decode_unit<3, D>(a, b, kvh, probs); return true;
-    case 4: decode_unit<4, D>(a, b, kvh, probs); return true;
-    case 5: decode_unit<5, D>(a, b, kvh, probs); return true;
-    case 6: decode_unit<6, D>(a, b, kvh, probs); return true;
-    case 7: decode_unit<7, D>(a, b, kvh, probs); return true;
-    case 8: decode_unit<8, D>(a, b, kvh, probs); return true;
+    case 1: decode_unit<1, D, T>(a, b, kvh, probs); return true;
+    case 2: decode_unit<2, D, T>(a, b, kvh, probs); return true;
+    case 3: decode_unit<3, D, T>(a, b, kvh, probs); return true;
+    case 4: decode_unit<4, D, T>(a, b, kvh, probs); return true;
+    case 5: decode_unit<5, D, T>(a, b, kvh, probs); return true;
+    case 6: decode_unit<6, D, T>(a, b, kvh, probs); return true;
+    case 7: decode_unit<7, D, T>(a, b, kvh, probs); return true;
+    case 8: decode_unit<8, D, T>(a, b, kvh, probs); return true;
     default: return false;
   }
+}
+
+template <int D>
+bool decode_group(const DecodeAttention& a, int64_t b, int64_t kvh, float* probs) {
+  return a.kv_half ? decode_group<D, uint16_t>(a, b, kvh, probs) : decode_group<D, float>(a, b, kvh, probs);
 }
 
 }  // namespace

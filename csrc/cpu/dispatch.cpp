@@ -101,7 +101,7 @@ using namespace pds_cpu;
 
 extern "C" {
 
-__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 13; }
+__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 14; }
 
 // The instruction set `isa` (0 auto) resolves to on this CPU: 1 AVX2, 2 AVX-512 VNNI, 0 none.
 __attribute__((visibility("default"))) int pds_cpu_isa(int isa) {
@@ -185,20 +185,21 @@ __attribute__((visibility("default"))) int pds_cpu_dequantize(int fmt, const uin
 }
 
 // Decode attention over the paged cache (attention.h): q [B][heads][head_dim] (token stride
-// q_stride floats), caches [blocks][block_size][kv_heads][head_dim] fp32, tables [B][table_stride]
-// int64, lens [B] int64 (each >= 1), out [B][heads][head_dim]. One unit of work per (sequence,
-// KV head); `isa` as for the matmuls. Returns 0, 1 when the instruction set is unavailable, 2 for
-// bad arguments.
+// q_stride floats), caches [blocks][block_size][kv_heads][head_dim] fp32, or fp16 where kv_half
+// (head_dim a multiple of 16), tables [B][table_stride] int64, lens [B] int64 (each >= 1), out
+// [B][heads][head_dim]. One unit of work per (sequence, KV head); `isa` as for the matmuls.
+// Returns 0, 1 when the instruction set is unavailable, 2 for bad arguments.
 __attribute__((visibility("default"))) int pds_cpu_paged_decode_attention(
-    const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+    const float* q, int64_t q_stride, const void* k_cache, const void* v_cache, int kv_half,
     const int64_t* tables, int64_t table_stride, const int64_t* lens, int64_t B, int64_t heads,
     int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out, int isa, int threads) {
   const Kernels* k = pick(isa);
   if (k == nullptr) return 1;
   if (B < 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 || block_size <= 0) return 2;
+  if (kv_half && head_dim % 16) return 2;
   for (int64_t b = 0; b < B; ++b)
     if (lens[b] <= 0) return 2;
-  const DecodeAttention a{q, q_stride, k_cache, v_cache, tables, table_stride, lens, out,
+  const DecodeAttention a{q, q_stride, k_cache, v_cache, kv_half != 0, tables, table_stride, lens, out,
                           heads, kv_heads, head_dim, block_size, scale};
   parallel_for_chunks(B * kv_heads, threads, [&](int64_t u) {
     thread_local std::vector<float> scratch;

@@ -15,12 +15,13 @@ using namespace pds_cpu;
 extern "C" {
 
 // q [T][heads][head_dim] (token stride q_stride floats), caches [blocks][block_size][kv_heads]
-// [head_dim] fp32, tables [B][table_stride] int64, lens [B] int64 (context: cached + new),
+// [head_dim] fp32, or fp16 where kv_half (head_dim a multiple of 16), tables [B][table_stride]
+// int64, lens [B] int64 (context: cached + new),
 // starts [B + 1] int64 (q rows of sequence b: [starts[b], starts[b + 1]), at most lens[b] of
 // them), out [T][heads][head_dim]. isa: 0 auto, 1 AVX2, 2 AVX-512. Returns 0, 1 when the
 // instruction set is unavailable, 2 for bad arguments.
 __attribute__((visibility("default"))) int pds_cpu_paged_extend_attention(
-    const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+    const float* q, int64_t q_stride, const void* k_cache, const void* v_cache, int kv_half,
     const int64_t* tables, int64_t table_stride, const int64_t* lens, const int64_t* starts,
     int64_t B, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale,
     float* out, int isa, int threads) {
@@ -28,7 +29,8 @@ __attribute__((visibility("default"))) int pds_cpu_paged_extend_attention(
   if (k == nullptr) return 1;
   if (B < 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 || block_size <= 0 || starts[0] != 0)
     return 2;
-  const ExtendAttention a{q, q_stride, k_cache, v_cache, tables, table_stride, lens, starts, out,
+  if (kv_half && head_dim % 16) return 2;
+  const ExtendAttention a{q, q_stride, k_cache, v_cache, kv_half != 0, tables, table_stride, lens, starts, out,
                           heads, kv_heads, head_dim, block_size, scale};
   const int64_t per_tile = extend_tokens_per_tile(a);
   std::vector<int64_t> first_unit(B + 1, 0);  // units of sequences before b
@@ -38,7 +40,7 @@ __attribute__((visibility("default"))) int pds_cpu_paged_extend_attention(
     first_unit[b + 1] = first_unit[b] + (n + per_tile - 1) / per_tile * kv_heads;
   }
   const bool wide = k == &kAvx512;
-  const DecodeAttention one{q, q_stride, k_cache, v_cache, tables, table_stride, lens, out,
+  const DecodeAttention one{q, q_stride, k_cache, v_cache, kv_half != 0, tables, table_stride, lens, out,
                             heads, kv_heads, head_dim, block_size, scale};
   const int64_t scratch_floats = std::max(extend_attention_scratch(a), decode_attention_scratch(one));
   parallel_for_chunks(first_unit[B], threads, [&](int64_t u) {

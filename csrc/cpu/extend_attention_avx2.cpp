@@ -28,6 +28,10 @@ struct Avx2 {
     const reg keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
     return _mm256_and_ps(exp_clamped_avx2(_mm256_max_ps(x, lo)), keep);
   }
+  static void widen(const uint16_t* h, float* f, int64_t n) {
+    for (int64_t i = 0; i < n; i += W)
+      _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  }
 };
 
 }  // namespace

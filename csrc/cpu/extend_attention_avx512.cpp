@@ -23,6 +23,10 @@ struct Avx512 {
   static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
   static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
   static reg exp_nonpositive(reg x) { return exp_nonpositive_avx512(x); }  // avx512_math.h
+  static void widen(const uint16_t* h, float* f, int64_t n) {
+    for (int64_t i = 0; i < n; i += W)
+      _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+  }
 };
 
 }  // namespace

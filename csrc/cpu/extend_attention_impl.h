@@ -11,13 +11,18 @@
 // rows: no horizontal reductions, no transposed copy of K, and each K and V row is read from the
 // cache in place (through the block table) once per chunk for every row of the tile.
 //
+// An fp16 cache (`kv_half`): each chunk's K rows, then its V rows, are widened to fp32 (exactly)
+// into the unit's scratch, and the same arithmetic runs over them.
+//
 // V provides: reg, W (lanes), KB (keys per score tile), IB (head dims per value tile), MB (row
 // vectors per tile); zero, load, store, bcast (one float broadcast), set1, fmadd(a, b, c) = a*b+c,
-// mul, add, sub, max, exp_nonpositive (e^x for x <= 0, 0 below -87.3, at -inf and for NaN).
+// mul, add, sub, max, exp_nonpositive (e^x for x <= 0, 0 below -87.3, at -inf and for NaN),
+// widen (n fp16 values to fp32, n a multiple of W).
 #pragma once
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "attention.h"
 
@@ -91,9 +96,9 @@ inline void value_cols(const float* const* vrow, const float* p, const float* al
   }
 }
 
-// One unit: sequence b, KV head kvh, new tokens [tok0, tok1) of the sequence.
-template <class V>
-void extend_unit(const ExtendAttention& a, int64_t b, int64_t kvh, int64_t tok0, float* scratch) {
+// One unit: sequence b, KV head kvh, new tokens [tok0, tok1) of the sequence; cache elements T.
+template <class V, class T>
+void extend_unit_of(const ExtendAttention& a, int64_t b, int64_t kvh, int64_t tok0, float* scratch) {
   constexpr int W = V::W;
   using reg = typename V::reg;
   const int64_t group = a.heads / a.kv_heads, d = a.head_dim, bs = a.block_size;
@@ -109,6 +114,9 @@ void extend_unit(const ExtendAttention& a, int64_t b, int64_t kvh, int64_t tok0,
   float* run_max = s + kExtendKeys * mp;  // [mp]
   float* run_sum = run_max + mp;          // [mp]
   float* alpha = run_sum + mp;            // [mp] this chunk's rescale of the accumulators
+  float* wide = alpha + mp;  // fp16 cache: [kExtendKeys][d] this chunk's keys, then its values, as fp32
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t t = tok0; t < tok1; ++t)
     for (int64_t g = 0; g < group; ++g) {
@@ -135,18 +143,34 @@ void extend_unit(const ExtendAttention& a, int64_t b, int64_t kvh, int64_t tok0,
   };
   const float* krow[kExtendKeys + V::KB];
   const float* vrow[kExtendKeys];
+  int64_t offs[kExtendKeys];
+  // fp16: the chunk's rows widened into `wide` (keys before the scores, values after the
+  // softmax: one buffer, so the tile's working set stays in L1)
+  const auto widen_rows = [&](const T* cache, const float** rows, int64_t kc) {
+    if constexpr (!std::is_same_v<T, float>) {
+      for (int64_t j = 0; j < kc; ++j) {
+        V::widen(cache + offs[j], wide + j * d, d);
+        rows[j] = wide + j * d;
+      }
+    }
+  };
   for (int64_t c0 = 0; c0 < kend; c0 += kExtendKeys) {
     const int64_t kc = std::min(kExtendKeys, kend - c0);
-    for_rows(c0, c0 + kc, [&](int64_t j, int64_t off) {
-      krow[j - c0] = a.k_cache + off;
-      vrow[j - c0] = a.v_cache + off;
-    });
+    for_rows(c0, c0 + kc, [&](int64_t j, int64_t off) { offs[j - c0] = off; });
+    if constexpr (std::is_same_v<T, float>) {
+      for (int64_t j = 0; j < kc; ++j) {
+        krow[j] = k_cache + offs[j];
+        vrow[j] = v_cache + offs[j];
+      }
+    } else {
+      widen_rows(k_cache, krow, kc);
+    }
     // the next chunk's rows into L2 while this one is computed: its blocks are anywhere in the
     // cache, so the hardware prefetchers cannot guess them
     for_rows(c0 + kc, std::min(kend, c0 + kc + kExtendKeys), [&](int64_t, int64_t off) {
-      for (int64_t i = 0; i < d; i += 16) {
-        __builtin_prefetch(a.k_cache + off + i, 0, 2);
-        __builtin_prefetch(a.v_cache + off + i, 0, 2);
+      for (int64_t i = 0; i < d; i += 64 / static_cast<int64_t>(sizeof(T))) {  // a cache line
+        __builtin_prefetch(k_cache + off + i, 0, 2);
+        __builtin_prefetch(v_cache + off + i, 0, 2);
       }
     });
     const int64_t kcp = (kc + V::KB - 1) / V::KB * V::KB;
@@ -173,6 +197,7 @@ void extend_unit(const ExtendAttention& a, int64_t b, int64_t kvh, int64_t tok0,
       V::store(run_sum + v * W, V::fmadd(V::load(run_sum + v * W), al, sum));
       V::store(run_max + v * W, mx);
     }
+    if constexpr (!std::is_same_v<T, float>) widen_rows(v_cache, vrow, kc);
     int64_t i0 = 0;
     for (; i0 + V::IB <= d; i0 += V::IB) value_cols<V, V::IB, V::MB>(vrow, s, alpha, mp, kc, ot, i0, 0, nv);
     for (; i0 < d; ++i0) value_cols<V, 1, V::MB>(vrow, s, alpha, mp, kc, ot, i0, 0, nv);
@@ -184,6 +209,14 @@ void extend_unit(const ExtendAttention& a, int64_t b, int64_t kvh, int64_t tok0,
       float* out = a.out + ((start + t) * a.heads + kvh * group + g) * d;
       for (int64_t i = 0; i < d; ++i) out[i] = ot[i * mp + r] * inv;
     }
+}
+
+template <class V>
+void extend_unit(const ExtendAttention& a, int64_t b, int64_t kvh, int64_t tok0, float* scratch) {
+  if (a.kv_half)
+    extend_unit_of<V, uint16_t>(a, b, kvh, tok0, scratch);
+  else
+    extend_unit_of<V, float>(a, b, kvh, tok0, scratch);
 }
 
 }  // namespace extend_detail

@@ -55,20 +55,21 @@ void norm_rows(float* x, const float* residual, const float* w, float* out, int6
 using namespace pds_cpu;
 
 extern "C" int pds_cpu_paged_decode_attention(
-    const float* q, int64_t q_stride, const float* k_cache, const float* v_cache, const int64_t* tables,
-    int64_t table_stride, const int64_t* lens, int64_t B, int64_t heads, int64_t kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, float* out, int isa, int threads);
-extern "C" int pds_cpu_paged_extend_attention(
-    const float* q, int64_t q_stride, const float* k_cache, const float* v_cache, const int64_t* tables,
-    int64_t table_stride, const int64_t* lens, const int64_t* starts, int64_t B, int64_t heads,
+    const float* q, int64_t q_stride, const void* k_cache, const void* v_cache, int kv_half,
+    const int64_t* tables, int64_t table_stride, const int64_t* lens, int64_t B, int64_t heads,
     int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out, int isa, int threads);
+extern "C" int pds_cpu_paged_extend_attention(
+    const float* q, int64_t q_stride, const void* k_cache, const void* v_cache, int kv_half,
+    const int64_t* tables, int64_t table_stride, const int64_t* lens, const int64_t* starts, int64_t B,
+    int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out, int isa, int threads);
 
 extern "C" {
 
 // x [M][hidden], M token rows (x += residual when residual is not null: x becomes the residual stream),
 // weights in GGUF blocks, each also packed (qs, dm: qgemv_packed.h) or not (null) (qkv: (heads + 2 kv_heads) * head_dim rows of `hidden`; o: hidden rows
 // of heads * head_dim), cos/sin [M][head_dim / 2], caches [blocks][block_size][kv_heads][head_dim]
-// fp32, slots [M] (block * block_size + offset of each new token), B sequences: tables
+// fp32, or fp16 where kv_half (head_dim a multiple of 16), slots [M] (block * block_size +
+// offset of each new token), B sequences: tables
 // [B][table_stride], lens [B] (context lengths, the new tokens included), starts [B + 1] (rows
 // of sequence b: [starts[b], starts[b + 1]), M = starts[B]; null: one row a sequence, M = B),
 // out [M][hidden]. Returns 0, 1 when the
@@ -77,7 +78,7 @@ __attribute__((visibility("default"))) int pds_cpu_attention_block(
     float* x, const float* residual, const float* norm_w, float eps, int qkv_fmt,
     const uint8_t* qkv_w, const uint8_t* qkv_qs, const float* qkv_dm, int o_fmt, const uint8_t* o_w,
     const uint8_t* o_qs, const float* o_dm, const float* cos, const float* sin,
-    float* k_cache, float* v_cache, const int64_t* slots, const int64_t* tables,
+    void* k_cache, void* v_cache, int kv_half, const int64_t* slots, const int64_t* tables,
     int64_t table_stride, const int64_t* lens, const int64_t* starts, int64_t B, int64_t hidden,
     int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size, float scale, float* out,
     int isa, int threads) {
@@ -85,7 +86,7 @@ __attribute__((visibility("default"))) int pds_cpu_attention_block(
   if (k == nullptr || ((qkv_qs || o_qs) && pick(ISA_AVX512) == nullptr)) return 1;
   const int64_t qkv_n = (heads + 2 * kv_heads) * head_dim, o_k = heads * head_dim;
   if (!formats_ok(qkv_fmt, o_fmt) || B < 0 || hidden <= 0 || hidden % QK || o_k % QK || kv_heads <= 0 ||
-      heads % kv_heads || head_dim <= 0 || head_dim % 2 || block_size <= 0)
+      heads % kv_heads || head_dim <= 0 || head_dim % 2 || block_size <= 0 || (kv_half && head_dim % 16))
     return 2;
   if (starts != nullptr && starts[0] != 0) return 2;
   const int64_t M = starts != nullptr ? starts[B] : B;  // token rows
@@ -105,15 +106,23 @@ __attribute__((visibility("default"))) int pds_cpu_attention_block(
   for (int64_t r = 0; r < M; ++r) {  // RoPE on q and k (neighbours), then k and v into the cache
     float* t = qkv + r * qkv_n;
     rotary_halves_avx2(t, heads + kv_heads, head_dim, cos + r * half, sin + r * half);
-    std::memcpy(k_cache + slots[r] * row, t + heads * head_dim, row * sizeof(float));
-    std::memcpy(v_cache + slots[r] * row, t + (heads + kv_heads) * head_dim, row * sizeof(float));
+    const float* k = t + heads * head_dim;
+    const float* v = k + row;
+    if (kv_half) {
+      floats_to_half_avx2(k, static_cast<uint16_t*>(k_cache) + slots[r] * row, row);
+      floats_to_half_avx2(v, static_cast<uint16_t*>(v_cache) + slots[r] * row, row);
+    } else {
+      std::memcpy(static_cast<float*>(k_cache) + slots[r] * row, k, row * sizeof(float));
+      std::memcpy(static_cast<float*>(v_cache) + slots[r] * row, v, row * sizeof(float));
+    }
   }
   // the attention entries the op-by-op path calls: one new token a sequence, the decode kernel
   const int status =
-      M == B ? pds_cpu_paged_decode_attention(qkv, qkv_n, k_cache, v_cache, tables, table_stride, lens, B, heads,
-                                              kv_heads, head_dim, block_size, scale, att, isa, threads)
-             : pds_cpu_paged_extend_attention(qkv, qkv_n, k_cache, v_cache, tables, table_stride, lens, starts, B,
-                                              heads, kv_heads, head_dim, block_size, scale, att, isa, threads);
+      M == B ? pds_cpu_paged_decode_attention(qkv, qkv_n, k_cache, v_cache, kv_half, tables, table_stride, lens, B,
+                                              heads, kv_heads, head_dim, block_size, scale, att, isa, threads)
+             : pds_cpu_paged_extend_attention(qkv, qkv_n, k_cache, v_cache, kv_half, tables, table_stride, lens,
+                                              starts, B, heads, kv_heads, head_dim, block_size, scale, att, isa,
+                                              threads);
   if (status) return status;
   project(k, o_fmt, o_w, o_qs, o_dm, att, M, o_k, hidden, out, threads);
   return 0;

@@ -69,4 +69,12 @@ void silu_mul_avx2(const float* gate, const float* up, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
+void floats_to_half_avx2(const float* src, uint16_t* dst, int64_t n) {
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), kNearest));
+  for (; i < n; ++i) dst[i] = _cvtss_sh(src[i], kNearest);
+}
+
 }  // namespace pds_cpu

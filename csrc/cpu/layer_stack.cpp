@@ -19,7 +19,7 @@
 extern "C" int pds_cpu_attention_block(
     float* x, const float* residual, const float* norm_w, float eps, int qkv_fmt, const uint8_t* qkv_w,
     const uint8_t* qkv_qs, const float* qkv_dm, int o_fmt, const uint8_t* o_w, const uint8_t* o_qs,
-    const float* o_dm, const float* cos, const float* sin, float* k_cache, float* v_cache,
+    const float* o_dm, const float* cos, const float* sin, void* k_cache, void* v_cache, int kv_half,
     const int64_t* slots, const int64_t* tables, int64_t table_stride, const int64_t* lens,
     const int64_t* starts, int64_t B, int64_t hidden, int64_t heads, int64_t kv_heads, int64_t head_dim,
     int64_t block_size, float scale, float* out, int isa, int threads);
@@ -40,8 +40,8 @@ struct StackedLayer {
   const uint8_t* w[4];
   const uint8_t* qs[4];
   const float* dm[4];
-  float* k_cache;
-  float* v_cache;
+  void* k_cache;  // fp32, or fp16 where the stack's kv_half
+  void* v_cache;
   int64_t fmt[4];
 };
 static_assert(sizeof(StackedLayer) == 20 * 8, "the Python side packs 20 int64 per layer");
@@ -56,14 +56,15 @@ using namespace pds_cpu;
 extern "C" {
 
 // x [M][hidden]: the embedded tokens (overwritten: used as a buffer); layers[n_layers]; the step's
-// cos/sin, slots, tables, lens, starts as in pds_cpu_attention_block; out [M][hidden] = the final
+// cos/sin, slots, tables, lens, starts and every layer's cache type (kv_half) as in
+// pds_cpu_attention_block; out [M][hidden] = the final
 // norm of the last layer's residual stream (final_w, eps). Returns the first failing block's
 // status (1 instruction set unavailable, 2 bad arguments), 0 when done.
 __attribute__((visibility("default"))) int pds_cpu_fused_layers(
     const StackedLayer* layers, int64_t n_layers, float* x, const float* final_w, float eps,
-    const float* cos, const float* sin, const int64_t* slots, const int64_t* tables, int64_t table_stride,
-    const int64_t* lens, const int64_t* starts, int64_t B, int64_t hidden, int64_t heads, int64_t kv_heads,
-    int64_t head_dim, int64_t block_size, int64_t inter, float scale, float* out, int isa, int threads) {
+    const float* cos, const float* sin, int kv_half, const int64_t* slots, const int64_t* tables,
+    int64_t table_stride, const int64_t* lens, const int64_t* starts, int64_t B, int64_t hidden, int64_t heads,
+    int64_t kv_heads, int64_t head_dim, int64_t block_size, int64_t inter, float scale, float* out, int isa, int threads) {
   if (n_layers <= 0 || B < 0 || hidden <= 0 || (starts != nullptr && starts[0] != 0)) return 2;
   if (pick(isa) == nullptr) return 1;
   const int64_t M = starts != nullptr ? starts[B] : B;  // token rows
@@ -76,7 +77,7 @@ __attribute__((visibility("default"))) int pds_cpu_fused_layers(
     const StackedLayer& L = layers[l];
     int status = pds_cpu_attention_block(
         cur, res, L.attn_norm, eps, static_cast<int>(L.fmt[0]), L.w[0], L.qs[0], L.dm[0],
-        static_cast<int>(L.fmt[1]), L.w[1], L.qs[1], L.dm[1], cos, sin, L.k_cache, L.v_cache, slots, tables,
+        static_cast<int>(L.fmt[1]), L.w[1], L.qs[1], L.dm[1], cos, sin, L.k_cache, L.v_cache, kv_half, slots, tables,
         table_stride, lens, starts, B, hidden, heads, kv_heads, head_dim, block_size, scale, free_rows, isa, threads);
     if (status) return status;
     float* mlp_out = res ? res : spare;  // the old residual was just added into cur

@@ -28,6 +28,7 @@ class EngineConfig:
     nvfp4_mode: str = "auto"            # NVFP4 checkpoints: auto | w4a16 | w4a4
     quantization: str = "none"          # none | auto | gguf | int8 | int4 (pdserve.weights.quantization)
     index_cache_dtype: str = "bfloat16"  # DSA index keys (DeepSeek-V3.2, GLM-5): bfloat16 | fp8 | float32
+    kv_cache_dtype: str = "auto"        # K/V in the cache: auto (the compute dtype) | float32 | float16 (CPU)
     prefix_cache: bool = True           # reuse cached KV blocks of shared prompt prefixes (--no-prefix-cache)
     host_cache_memory: int = 0          # bytes of host memory for evicted cached blocks (0: no second tier)
     overlap: bool = False               # plan step N+1 while step N's forward runs (docs/overlap.md)
@@ -67,6 +68,21 @@ class EngineConfig:
         return DTYPES[self.dtype]
 
 
+    def kv_torch_dtype(self) -> torch.dtype:
+        """What the KV cache holds (docs/kv-cache-dtype.md): the compute dtype, or fp16 on a CPU,
+        where the kernels widen it back to fp32 exactly and a step reads half the bytes."""
+        if self.kv_cache_dtype == "auto":
+            return self.torch_dtype()
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose auto or one of "
+                             f"{sorted(KV_CACHE_DTYPES)}")
+        if not self.device.startswith("cpu") and KV_CACHE_DTYPES[self.kv_cache_dtype] != self.torch_dtype():
+            raise ValueError(f"--kv-cache-dtype {self.kv_cache_dtype} is for CPU workers; on {self.device} "
+                             f"the cache holds the compute dtype ({self.torch_dtype()}): use auto")
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
+
+
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 CPU_PREFILL_TOKENS = 256  # prompt tokens beside a sampled token, by default on a CPU (docs/step-budget.md)
 CPU_FIRST_TOKEN_SLACK = 16  # prompt tokens after a prompt's last chunk, by default on a CPU (the same)
 # The least an automatic KV pool gets (per rank): 1 GiB holds 32 streams of the default model at

@@ -73,7 +73,12 @@ class LLMEngine:
         self.vocab_size = int(hf_config["vocab_size"])  # the embedding's rows: the ids a prompt may hold
         if config.threads and multiplies_natively(self.model):
             apply_threads(config.threads, torch_threads=1)  # the cores are the kernels' (threads.py)
-        specs = self.model.cache_spec(dtype, INDEX_DTYPES[config.index_cache_dtype])
+        kv_dtype = config.kv_torch_dtype()
+        specs = self.model.cache_spec(kv_dtype, INDEX_DTYPES[config.index_cache_dtype])
+        if kv_dtype != dtype and any(s.name not in ("k", "v") for layer in specs for s in layer):
+            raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} is for models whose cache is K and V "
+                             f"(Llama, Qwen, Mistral); this model keeps "
+                             f"{sorted({s.name for layer in specs for s in layer})}")
         # the pool and the context reconciled: a request at the full context always fits alone
         fit = fit_context(config, KVPool.bytes_per_block(specs, config.block_size),
                           hf_config.get("max_position_embeddings", 4096))
@@ -87,7 +92,7 @@ class LLMEngine:
         self.allocator = BlockAllocator(num_blocks, caching=caching, host=host)
         max_len = fit.max_model_len
         # everything besides the tokens that shapes a block's KV starts its names' chain
-        salt = salt_of(str(self.model_dir), str(dtype), config.quantization, config.nvfp4_mode,
+        salt = salt_of(str(self.model_dir), str(dtype), str(kv_dtype), config.quantization, config.nvfp4_mode,
                        config.index_cache_dtype, config.block_size, tp.size)
         # a PD prefill worker never decodes: no stream waits on its steps, so only an explicit
         # --max-prefill-tokens bounds them (docs/step-budget.md)

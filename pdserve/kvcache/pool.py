@@ -30,8 +30,9 @@ class KVPool:
              for s in specs}
             for specs in layer_specs
         ]
-        logger.info("KV pool: %d blocks x %d tokens, %.1f MiB", num_blocks, block_size,
-                    self.bytes_per_block(layer_specs, block_size) * num_blocks / 2**20)
+        logger.info("KV pool: %d blocks x %d tokens, %.1f MiB (%s)", num_blocks, block_size,
+                    self.bytes_per_block(layer_specs, block_size) * num_blocks / 2**20,
+                    ", ".join(sorted({str(s.dtype).removeprefix("torch.") for specs in layer_specs for s in specs})))
 
     @property
     def num_layers(self) -> int:

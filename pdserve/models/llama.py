@@ -230,7 +230,7 @@ class LlamaModel(nn.Module):
         n = len(meta.context_lens)
         if not (self._fusable and ops.is_native(ops.attention_block) and x.device.type == "cpu"
                 and x.dtype == torch.float32 and n and meta.query_start_loc[-1] == x.shape[0]
-                and meta.kv_caches[0]["k"].dtype == torch.float32):
+                and meta.kv_caches[0]["k"].dtype in (torch.float32, torch.float16)):  # --kv-cache-dtype
             return None
         cos, sin = self.layers[0].self_attn.rotary.cos_sin(positions)
         packed = ops.is_native(ops.qmatmul_packed)

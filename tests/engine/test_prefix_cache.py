@@ -17,12 +17,13 @@ BS = 4
 
 
 def make_engine(model_dir: str, cache: bool, blocks: int = 256, host_blocks: int = 0,
-                device: str = "cpu") -> LLMEngine:
-    # tiny_llama: 2 layers × (K, V) × 2 KV heads × 16 dims × 4 bytes per token
-    per_block = BS * 2 * 2 * 2 * 16 * 4
+                device: str = "cpu", kv: str = "auto") -> LLMEngine:
+    # tiny_llama: 2 layers × (K, V) × 2 KV heads × 16 dims × 4 bytes (2 with an fp16 cache) per token
+    per_block = BS * 2 * 2 * 2 * 16 * (2 if kv == "float16" else 4)
     return LLMEngine(EngineConfig(model=model_dir, block_size=BS, kv_cache_memory=blocks * per_block,
                                   max_num_batched_tokens=32, max_num_seqs=8, prefix_cache=cache,
-                                  host_cache_memory=host_blocks * per_block, device=device, dtype="float32"))
+                                  host_cache_memory=host_blocks * per_block, device=device, dtype="float32",
+                                  kv_cache_dtype=kv))
 
 
 def generate(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int = 6
@@ -80,10 +81,12 @@ def assert_same_greedy(model_dir, prompts, got, ref):
 
 
 @pytest.mark.parametrize("blocks", [256, 24])  # 24: later turns evict earlier sessions' blocks
-def test_multiturn_cache_on_equals_off(tiny_llama_dir, blocks):
+@pytest.mark.parametrize("kv", ["auto", "float16"])
+def test_multiturn_cache_on_equals_off(tiny_llama_dir, blocks, kv):
     system = [random.Random(1).randrange(3, 300) for _ in range(37)]
-    on = make_engine(tiny_llama_dir, True, blocks)
-    off = make_engine(tiny_llama_dir, False, blocks)
+    on = make_engine(tiny_llama_dir, True, blocks, kv=kv)
+    off = make_engine(tiny_llama_dir, False, blocks, kv=kv)
+    assert on.pool.layers[0]["k"].dtype == (torch.float16 if kv == "float16" else torch.float32)
     prompts, got, cached = conversation(on, 3, 3, system, seed=5)
     prompts_off, ref, cached_off = conversation(off, 3, 3, system, seed=5)
     assert_same_greedy(tiny_llama_dir, prompts, got, ref)

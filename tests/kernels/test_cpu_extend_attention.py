@@ -85,3 +85,22 @@ def test_a_decode_token_among_prefill_chunks_gets_the_decode_kernels_result():
     alone = cpu_lib.paged_decode_attention(q[decode_rows], k_cache, v_cache, tables[[0, 2]],
                                            torch.tensor([lens[0], lens[2]]), 0.125)
     assert torch.equal(mixed[decode_rows], alone)  # the same arithmetic, whatever shares the step
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("new,cached,heads,kv_heads,head_dim,block_size", [c for c in CASES if c[4] % 16 == 0])
+def test_an_fp16_cache_is_read_as_its_exact_fp32_values(isa, new, cached, heads, kv_heads, head_dim, block_size):
+    """--kv-cache-dtype float16: each chunk's K/V rows are widened exactly, so the fp32 bound
+    holds against the reference reading the same fp16 cache, and threads do not change a bit."""
+    if not cpu_lib.isa_supported(isa):
+        pytest.skip(f"this CPU lacks {isa}")
+    q, k_cache, v_cache, tables, lens, starts = _case(new, cached, heads, kv_heads, head_dim, block_size,
+                                                      seed=sum(new) + sum(cached) + 1)
+    k16, v16 = k_cache.half(), v_cache.half()
+    scale = head_dim ** -0.5
+    want = attention.paged_attention(q, k16, v16, starts, lens, tables, scale)
+    lens_t, starts_t = torch.tensor(lens), torch.tensor(starts)
+    one = cpu_lib.paged_extend_attention(q, k16, v16, tables, lens_t, starts_t, scale, isa=isa, threads=1)
+    two = cpu_lib.paged_extend_attention(q, k16, v16, tables, lens_t, starts_t, scale, isa=isa, threads=2)
+    torch.testing.assert_close(one, want, atol=2e-4, rtol=1e-4)
+    assert torch.equal(one, two)

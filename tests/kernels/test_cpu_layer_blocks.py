@@ -233,3 +233,44 @@ def test_whole_stack_call_equals_the_blocks_layer_by_layer_and_the_reference(isa
                           inter, z, isa=isa)
         h, residual = z, y
     assert torch.equal(out, cpu_lib.add_rms_norm(h, residual, stack.final_norm, 1e-5))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("lens,new", [([17, 40, 5], None), ([70, 9, 40], [23, 1, 40])], ids=["decode", "extend"])
+def test_an_fp16_cache_gets_torchs_rounding_and_is_read_back_exactly(isa, lens, new):
+    """--kv-cache-dtype float16: the block stores the K/V rows it computes rounded as
+    `tensor.half()` rounds them (the same bits as its fp32 store, halved), and attends over the
+    fp16 cache as the reference does."""
+    g = torch.Generator().manual_seed(11 + len(lens))
+    hidden, heads, kv_heads, head_dim, block_size = 128, 4, 2, 32, 16
+    tables, slots, num_blocks = _tables(lens, block_size, g, new)
+    M = len(slots)
+    starts = None if new is None else torch.tensor([0, *new]).cumsum(0)
+    x = torch.randn(M, hidden, generator=g)
+    residual = torch.randn(M, hidden, generator=g)
+    norm_w = torch.rand(hidden, generator=g) + 0.5
+    qkv_w = quantize(torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g) * 0.1, Q8_0)
+    o_w = quantize(torch.randn(hidden, heads * head_dim, generator=g) * 0.1, Q4_1)
+    angles = torch.rand(M, head_dim // 2, generator=g) * 6.28
+    cos, sin = angles.cos(), angles.sin()
+    k32 = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g) * 300
+    v32 = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g) * 1e-5  # fp16 subnormals
+    lens_t = torch.tensor(lens)
+
+    def native(k_cache, v_cache):
+        out = torch.empty(M, hidden)
+        cpu_lib.attention_block(x.clone(), residual, norm_w, 1e-5, Q8_0.code, qkv_w, Q4_1.code, o_w, cos,
+                                sin, k_cache, v_cache, slots, tables, lens_t, starts, heads, kv_heads,
+                                head_dim ** -0.5, out, isa=isa)
+        return out
+
+    native(k32, v32)  # the fp32 store: the rows as the block computes them
+    k16, v16 = k32.half(), v32.half()  # unwritten slots were already fp16 values; written ones halved
+    kc, vc = k16.clone(), v16.clone()
+    out = native(kc, vc)
+    assert torch.equal(kc.view(torch.int16), k16.view(torch.int16))
+    assert torch.equal(vc.view(torch.int16), v16.view(torch.int16))
+    kr, vr = k16.clone(), v16.clone()
+    ref = layer_blocks.attention_block(x.clone(), residual, norm_w, 1e-5, qkv_w, Q8_0, o_w, Q4_1, cos, sin, kr,
+                                       vr, slots, tables, lens_t, starts, heads, kv_heads, head_dim ** -0.5)
+    _close(out, ref, 1e-4)

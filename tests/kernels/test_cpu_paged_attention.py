@@ -102,3 +102,34 @@ def test_bad_arguments_are_a_clear_error():
         cpu_lib.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([0]), 0.25)
     with pytest.raises(ValueError, match="int64 block tables"):
         cpu_lib.paged_decode_attention(q, k_cache, v_cache, tables.int(), torch.tensor([4]), 0.25)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("lens,heads,kv_heads,head_dim,block_size", [c for c in CASES if c[3] % 16 == 0])
+def test_an_fp16_cache_is_read_as_its_exact_fp32_values(lens, heads, kv_heads, head_dim, block_size, isa):
+    """--kv-cache-dtype float16: the kernels widen each element exactly, so the bound above holds
+    against the reference reading the same fp16 cache."""
+    q, k_cache, v_cache, tables = _case(lens, heads, kv_heads, head_dim, block_size, seed=sum(lens) + 1)
+    k16, v16 = k_cache.half(), v_cache.half()
+    starts = list(range(len(lens) + 1))
+    scale = head_dim ** -0.5
+    want = attention.paged_attention(q, k16, v16, starts, lens, tables, scale)
+    got = cpu_lib.paged_decode_attention(q, k16, v16, tables, torch.tensor(lens), scale, isa=isa)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_the_op_takes_the_native_kernel_for_an_fp16_cache():
+    q, k_cache, v_cache, tables = _case([16, 17, 15, 33], 9, 3, 64, 16, seed=2)
+    k16, v16, lens = k_cache.half(), v_cache.half(), [16, 17, 15, 33]
+    got = attention_cpu.paged_attention_cpu(q, k16, v16, list(range(5)), lens, tables, 0.125)
+    assert torch.equal(got, cpu_lib.paged_decode_attention(q, k16, v16, tables, torch.tensor(lens), 0.125))
+
+
+def test_an_fp16_cache_of_other_head_sizes_runs_the_reference():
+    q, k_cache, v_cache, tables = _case([20, 7], 4, 2, 24, 16, seed=4)  # 24: not a multiple of 16
+    k16, v16 = k_cache.half(), v_cache.half()
+    assert cpu_lib.cache_is_half(k16, v16) is None
+    got = attention_cpu.paged_attention_cpu(q, k16, v16, [0, 1, 2], [20, 7], tables, 0.25)
+    assert torch.equal(got, attention.paged_attention(q, k16, v16, [0, 1, 2], [20, 7], tables, 0.25))
+    with pytest.raises(ValueError, match="fp16 caches"):
+        cpu_lib.paged_decode_attention(q, k16, v16, tables, torch.tensor([20, 7]), 0.25)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from pdserve import worker_api as api
@@ -10,7 +11,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm import LLM
 from pdserve.engine.sampling_params import SamplingParams
 
-from .conftest import PDClient, pool_full, ready, start_worker, wait_for
+from .conftest import PDClient, pool_full, ready, start_worker, stop_all, wait_for
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "List three colors:",
            "1 2 3 4 5", "Roses are red,", "The quick brown fox", "Water boils at", "Dear Sir or Madam,",
@@ -111,3 +112,55 @@ def test_prompt_ids_outside_the_vocabulary_are_a_400_and_disturb_nothing(pd_pair
     assert live == alone == again and alone[1] == "length" and len(alone[0]) == 48
     assert prefill.get("/health").json()["status"] == decode.get("/health").json()["status"] == "ok"
     wait_for(lambda: pool_full(prefill) and pool_full(decode), what="both pools full")
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(500)
+def test_fp16_caches_move_as_they_are_and_a_peer_of_the_other_dtype_is_refused(pd_pair, default_model_dir):
+    """--kv-cache-dtype float16 on both workers: the transfer moves fp16 blocks (half the bytes) and
+    PD equals the fp16 engine alone; an fp32 prefill worker refuses an fp16 decode worker's room
+    with the layout error, and both pools come back full."""
+    prefill32, _ = pd_pair
+    prefill, decode = ready(start_worker("prefill", default_model_dir, "--kv-cache-dtype", "float16", wait=False),
+                            start_worker("decode", default_model_dir, "--kv-cache-dtype", "float16", wait=False))
+    try:
+        llm = LLM(EngineConfig(model=default_model_dir, kv_cache_dtype="float16"))
+        ids = [llm.prompt_ids(p) for p in PROMPTS[:6]]
+        ref = llm.generate(ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+        bytes_before = metric(prefill, "pdserve:kv_transfer_bytes_total")
+
+        async def run():
+            c = PDClient(prefill, decode)
+            return await asyncio.gather(*(c.generate(f"h-{i}", x, {"temperature": 0, "max_tokens": 12,
+                                                                   "ignore_eos": True})
+                                          for i, x in enumerate(ids)))
+        for (tokens, reason, err), r in zip(asyncio.run(run()), ref):
+            assert err is None and reason == "length" and tokens == r.token_ids
+        # 30 layers × K, V × 3 KV heads × 64 dims × 2 bytes × 16 tokens a block, every prompt block
+        blocks = sum(-(-len(x) // 16) for x in ids)
+        assert metric(prefill, "pdserve:kv_transfer_bytes_total") - bytes_before == blocks * 30 * 2 * 3 * 64 * 2 * 16
+
+        async def mismatch():
+            body = api.GenerateRequest(request_id="mix", prompt_ids=ids[0], prefill_url=prefill32.url,
+                                       prefill_worker_id=prefill32.worker_id,
+                                       params=api.SamplingParams(temperature=0, max_tokens=4))
+            async with httpx.AsyncClient(timeout=60) as http:
+                async with http.stream("POST", decode.url + "/generate", json=body.wire(),
+                                       headers={"X-Request-Id": "mix"}) as r:
+                    room = api.parse_line(await r.aiter_lines().__anext__()).room
+                    target = api.DecodeTarget(worker_id=room.worker_id, decode_url=decode.url, blocks=room.blocks,
+                                              cached_blocks=room.cached_blocks)
+                    answer = await http.post(prefill32.url + "/prefill", headers={"X-Request-Id": "mix"},
+                                             json=api.PrefillRequest(request_id="mix", prompt_ids=ids[0],
+                                                                     params=body.params, decode=target).wire())
+                    await http.post(decode.url + "/abort", json=api.AbortRequest(request_id="mix").wire())
+                    return answer
+        answer = asyncio.run(mismatch())
+        assert answer.status_code != 200
+        assert "bytes per block" in answer.json()["error"]["message"]
+        # the prefill worker refused before connecting, so it cannot fence the room; the decode worker
+        # holds the room's block until the fence lease (30 s, docs/kv-transfer.md) runs out
+        assert pool_full(prefill32) and decode.get("/load").json()["transferring"] == 1
+        wait_for(lambda: pool_full(decode), 45, what="the decode pool full once the lease ran out")
+    finally:
+        stop_all(prefill, decode)
