@@ -50,6 +50,23 @@ def _tables(lens: list[int], block_size: int, g: torch.Generator, new: list[int]
     return tables, slots, num_blocks
 
 
+
+def _block_inputs(g: torch.Generator, lens: list[int], new: list[int] | None, hidden: int, heads: int,
+                  kv_heads: int, head_dim: int, fmts, block_size: int = 16):
+    """Random inputs of an attention block over `lens` contexts (`new` tokens each; None: one):
+    tables, slots, the block count, starts, x, residual, norm weight, quantized qkv and o weights,
+    and the step's RoPE angles."""
+    tables, slots, num_blocks = _tables(lens, block_size, g, new)
+    M = len(slots)
+    starts = None if new is None else torch.tensor([0, *new]).cumsum(0)
+    x = torch.randn(M, hidden, generator=g)
+    residual = torch.randn(M, hidden, generator=g)
+    norm_w = torch.rand(hidden, generator=g) + 0.5
+    qkv_w = quantize(torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g) * 0.1, fmts[0])
+    o_w = quantize(torch.randn(hidden, heads * head_dim, generator=g) * 0.1, fmts[1])
+    angles = torch.rand(M, head_dim // 2, generator=g) * 6.28
+    return tables, slots, num_blocks, starts, x, residual, norm_w, qkv_w, o_w, angles
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("lens,new,hidden,heads,kv_heads,head_dim,fmts,first", [
     ([1], None, 96, 3, 1, 32, (Q4_1, Q4_1), True),
@@ -137,15 +154,8 @@ def test_blocks_with_packed_weights_equal_their_reference(B, new):
     g = torch.Generator().manual_seed(11 + B)
     hidden, heads, kv_heads, head_dim, inter, block_size = 96, 3, 1, 32, 160, 16
     lens = [20, 3, 7, 1, 40][:B]
-    tables, slots, num_blocks = _tables(lens, block_size, g, new)
-    M = len(slots)
-    starts = None if new is None else torch.tensor([0, *new]).cumsum(0)
-    x = torch.randn(M, hidden, generator=g)
-    residual = torch.randn(M, hidden, generator=g)
-    norm_w = torch.rand(hidden, generator=g) + 0.5
-    qkv_w = quantize(torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g) * 0.1, Q4_1)
-    o_w = quantize(torch.randn(hidden, heads * head_dim, generator=g) * 0.1, Q4_0)
-    angles = torch.rand(M, head_dim // 2, generator=g) * 6.28
+    tables, slots, num_blocks, starts, x, residual, norm_w, qkv_w, o_w, angles = _block_inputs(
+        g, lens, new, hidden, heads, kv_heads, head_dim, (Q4_1, Q4_0))
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
     attn = (angles.cos(), angles.sin(), k_cache, v_cache, slots, tables, torch.tensor(lens), starts, heads,
@@ -243,15 +253,9 @@ def test_an_fp16_cache_gets_torchs_rounding_and_is_read_back_exactly(isa, lens, 
     fp16 cache as the reference does."""
     g = torch.Generator().manual_seed(11 + len(lens))
     hidden, heads, kv_heads, head_dim, block_size = 128, 4, 2, 32, 16
-    tables, slots, num_blocks = _tables(lens, block_size, g, new)
+    tables, slots, num_blocks, starts, x, residual, norm_w, qkv_w, o_w, angles = _block_inputs(
+        g, lens, new, hidden, heads, kv_heads, head_dim, (Q8_0, Q4_1), block_size)
     M = len(slots)
-    starts = None if new is None else torch.tensor([0, *new]).cumsum(0)
-    x = torch.randn(M, hidden, generator=g)
-    residual = torch.randn(M, hidden, generator=g)
-    norm_w = torch.rand(hidden, generator=g) + 0.5
-    qkv_w = quantize(torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g) * 0.1, Q8_0)
-    o_w = quantize(torch.randn(hidden, heads * head_dim, generator=g) * 0.1, Q4_1)
-    angles = torch.rand(M, head_dim // 2, generator=g) * 6.28
     cos, sin = angles.cos(), angles.sin()
     k32 = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g) * 300
     v32 = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g) * 1e-5  # fp16 subnormals
