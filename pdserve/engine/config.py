@@ -9,6 +9,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}  # --kv-cache-dtype besides auto
 
 
 @dataclass
@@ -67,7 +68,6 @@ class EngineConfig:
             raise ValueError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
         return DTYPES[self.dtype]
 
-
     def kv_torch_dtype(self) -> torch.dtype:
         """What the KV cache holds (docs/kv-cache-dtype.md): the compute dtype, or fp16 on a CPU,
         where the kernels widen it back to fp32 exactly and a step reads half the bytes."""
@@ -82,7 +82,6 @@ class EngineConfig:
         return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
 
-KV_CACHE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 CPU_PREFILL_TOKENS = 256  # prompt tokens beside a sampled token, by default on a CPU (docs/step-budget.md)
 CPU_FIRST_TOKEN_SLACK = 16  # prompt tokens after a prompt's last chunk, by default on a CPU (the same)
 # The least an automatic KV pool gets (per rank): 1 GiB holds 32 streams of the default model at

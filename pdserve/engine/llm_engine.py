@@ -77,7 +77,7 @@ class LLMEngine:
         specs = self.model.cache_spec(kv_dtype, INDEX_DTYPES[config.index_cache_dtype])
         if kv_dtype != dtype and any(s.name not in ("k", "v") for layer in specs for s in layer):
             raise ValueError(f"--kv-cache-dtype {config.kv_cache_dtype} is for models whose cache is K and V "
-                             f"(Llama, Qwen, Mistral); this model keeps "
+                             f"(the Llama family); this model keeps "
                              f"{sorted({s.name for layer in specs for s in layer})}")
         # the pool and the context reconciled: a request at the full context always fits alone
         fit = fit_context(config, KVPool.bytes_per_block(specs, config.block_size),
