@@ -1,7 +1,7 @@
 // Paged attention on the CPU. Decode: one query token per sequence over its K/V read in place
 // from the paged cache (`[blocks, block_size, kv_heads, head_dim]`, fp32 or IEEE fp16: `kv_half`;
-// an fp16 element is widened to fp32 exactly on load, so the arithmetic is the same) through its block
-// table. GQA: the `heads / kv_heads` query heads of one KV head are one unit of work, so each
+// an fp16 element is widened to fp32 exactly on load, so the arithmetic is the same) through its
+// block table. GQA: the `heads / kv_heads` query heads of one KV head are one unit of work, so each
 // key and value row is read once for all of them. Softmax is online (running max and sum, per
 // chunk of keys), so no score row of the whole context is ever stored.
 #pragma once
