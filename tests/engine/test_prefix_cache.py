@@ -156,17 +156,19 @@ def test_no_prefix_cache_flag_reaches_the_workers_engine_config():
     assert "--no-prefix-cache" not in engine_flags(build_parser().parse_args(["serve"]))
 
 
-@pytest.mark.parametrize("device", [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
+@pytest.mark.parametrize("device,kv", [
+    ("cpu", "auto"),
+    ("cpu", "float16"),  # the tier's copies take the pool's dtype
+    pytest.param("cuda", "auto", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")),
 ])
-def test_multiturn_with_hits_from_the_host_tier_equals_cache_off(tiny_llama_dir, device):
+def test_multiturn_with_hits_from_the_host_tier_equals_cache_off(tiny_llama_dir, device, kv):
     """A device pool too small to keep the conversations: their blocks are evicted to host
     memory and loaded back on the next turn; the tokens are those of the cache-off engine. On
     CUDA the tier's copies are asynchronous, on their own stream (kvcache/host.py)."""
     system = [random.Random(2).randrange(3, 300) for _ in range(37)]
-    on = make_engine(tiny_llama_dir, True, 24, host_blocks=200, device=device)
-    off = make_engine(tiny_llama_dir, False, 24, device=device)
+    on = make_engine(tiny_llama_dir, True, 24, host_blocks=200, device=device, kv=kv)
+    off = make_engine(tiny_llama_dir, False, 24, device=device, kv=kv)
+    assert {t.dtype for t in on.allocator.host.tensors} == {on.pool.layers[0]["k"].dtype}
     assert (on.allocator.host.stream is not None) == (device == "cuda")
     prompts, got, cached = conversation(on, 3, 3, system, seed=7)
     _, ref, _ = conversation(off, 3, 3, system, seed=7)

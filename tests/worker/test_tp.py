@@ -22,9 +22,11 @@ PROMPTS = [[5, 17, 99, 4, 8, 150], [200, 3, 3, 8, 61, 7, 12, 40, 41, 42], [42] *
            list(range(10, 80))]
 
 
-def reference(model_dir: str, prompts: list[list[int]], params: list[dict] | None = None) -> list[list[int]]:
-    """The plain TP=1 engine's tokens; `params`: each prompt's sampling (default GREEDY)."""
-    engine = LLMEngine(EngineConfig(model=model_dir))
+def reference(model_dir: str, prompts: list[list[int]], params: list[dict] | None = None,
+              kv: str = "auto") -> list[list[int]]:
+    """The plain TP=1 engine's tokens; `params`: each prompt's sampling (default GREEDY); `kv`: its
+    KV cache's dtype."""
+    engine = LLMEngine(EngineConfig(model=model_dir, kv_cache_dtype=kv))
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, SamplingParams(**(params[i] if params else GREEDY)))
     out = {f"r{i}": [] for i in range(len(prompts))}
@@ -63,14 +65,16 @@ def assert_equal_greedy(model_dir, prompts, got, ref):
 
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
-def test_tp2_colocated_and_pd_equal_tp1(tiny_llama4_dir):
-    """(TP=4 runs in tests/worker/test_multinode.py, as one group over two "nodes".)"""
-    flags = ("--tp", "2", "--check-divergence", "4")
+@pytest.mark.parametrize("kv", ["auto", "float16"])
+def test_tp2_colocated_and_pd_equal_tp1(tiny_llama4_dir, kv):
+    """(TP=4 runs in tests/worker/test_multinode.py, as one group over two "nodes".) With an fp16
+    cache, each rank's shard is fp16 and the TP=2 PD transfer moves it as it is."""
+    flags = ("--tp", "2", "--check-divergence", "4", "--kv-cache-dtype", kv)
     # the three workers start together (their start-ups overlap), while the reference runs
     both, prefill, decode = workers = [start_worker(role, tiny_llama4_dir, *flags, wait=False)
                                        for role in ("both", "prefill", "decode")]
     try:
-        ref = reference(tiny_llama4_dir, PROMPTS)
+        ref = reference(tiny_llama4_dir, PROMPTS, kv=kv)
         ready(*workers)
         assert_equal_greedy(tiny_llama4_dir, PROMPTS, run_all(None, both, PROMPTS), ref)
         assert both.get("/health").status_code == 200  # no divergence was found
