@@ -264,14 +264,15 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lib = _loaded()
     B, heads, d = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if q.dtype != torch.float32 or cache_is_half(k_cache, v_cache) is None or q.stride()[1:] != (d, 1) \
+    half = cache_is_half(k_cache, v_cache)
+    if q.dtype != torch.float32 or half is None or q.stride()[1:] != (d, 1) \
             or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or block_tables.stride(-1) != 1 \
             or block_tables.dtype != torch.int64 or lens.dtype != torch.int64 or not lens.is_contiguous():
         raise ValueError("paged_decode_attention: fp32 q (heads, head_dim contiguous), contiguous fp32 "
                          "or fp16 caches, int64 block tables (rows contiguous) and lengths")
     out = torch.empty(B, heads, d, dtype=torch.float32)
     status = lib.pds_cpu_paged_decode_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(cache_is_half(k_cache, v_cache)),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(half),
         block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), B, heads, kv_heads, d, block_size, scale,
         out.data_ptr(), ISAS[isa or default_isa()], threads or num_threads())
     if status:
@@ -292,7 +293,8 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lib = _loaded()
     T, heads, d = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
-    if q.dtype != torch.float32 or cache_is_half(k_cache, v_cache) is None or q.stride()[1:] != (d, 1) \
+    half = cache_is_half(k_cache, v_cache)
+    if q.dtype != torch.float32 or half is None or q.stride()[1:] != (d, 1) \
             or not (k_cache.is_contiguous() and v_cache.is_contiguous()) or block_tables.stride(-1) != 1 \
             or block_tables.dtype != torch.int64 or lens.dtype != torch.int64 or not lens.is_contiguous() \
             or starts.dtype != torch.int64 or not starts.is_contiguous() or starts.numel() != lens.numel() + 1 \
@@ -302,7 +304,7 @@ def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                          "the last = q's rows)")
     out = torch.empty(T, heads, d, dtype=torch.float32)
     status = lib.pds_cpu_paged_extend_attention(
-        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(cache_is_half(k_cache, v_cache)),
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), int(half),
         block_tables.data_ptr(), block_tables.stride(0), lens.data_ptr(), starts.data_ptr(), lens.numel(), heads, kv_heads, d, block_size,
         scale, out.data_ptr(), ISAS[isa or default_isa()], threads or num_threads())
     if status:
@@ -398,7 +400,8 @@ def attention_block(x: torch.Tensor, residual: torch.Tensor | None, norm_w: torc
         x.data_ptr(), None if residual is None else residual.data_ptr(), norm_w.data_ptr(), eps, qkv_fmt,
         qkv_w.data_ptr(), *_packed_ptrs(qkv_packed), o_fmt, o_w.data_ptr(), *_packed_ptrs(o_packed),
         cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-        v_cache.data_ptr(), int(cache_is_half(k_cache, v_cache)), slots.data_ptr(), tables.data_ptr(), tables.stride(0), lens.data_ptr(),
+        v_cache.data_ptr(), int(cache_is_half(k_cache, v_cache)), slots.data_ptr(), tables.data_ptr(),
+        tables.stride(0), lens.data_ptr(),
         None if starts is None else starts.data_ptr(), lens.numel(), hidden, heads, kv_heads, head_dim, block_size,
         scale, out.data_ptr(), ISAS[isa or default_isa()], threads or num_threads())
     if status:
