@@ -30,9 +30,11 @@ namespace pds_cpu {
 namespace extend_detail {
 
 // S[j0 + kb][(mv0 + mb) * W ...] for kb < KB, mb < MB: KB keys against MB vectors of rows.
+// Not inlined: inlined into score_cols, GCC kept a copy of the accumulators on the stack and
+// stored it every iteration in the tiles of fewer vectors (the tail tiles ran half as fast).
 template <class V, int KB, int MB>
-inline void score_tile(const float* const* krow, const float* qt, int64_t mp, int64_t d, float* s,
-                       int64_t j0, int64_t mv0) {
+__attribute__((noinline)) void score_tile(const float* const* krow, const float* qt, int64_t mp, int64_t d,
+                                          float* s, int64_t j0, int64_t mv0) {
   using reg = typename V::reg;
   reg acc[KB][MB];
   const float* kp[KB];
@@ -64,9 +66,10 @@ inline void score_cols(const float* const* krow, const float* qt, int64_t mp, in
 }
 
 // Ot[i0 + ib][(mv0 + mb) * W ...] = alpha * Ot + sum_j V[j][i0 + ib] * P[j][...], j < kc.
+// Not inlined, for the same reason as score_tile.
 template <class V, int IB, int MB>
-inline void value_tile(const float* const* vrow, const float* p, const float* alpha, int64_t mp,
-                       int64_t kc, float* ot, int64_t i0, int64_t mv0) {
+__attribute__((noinline)) void value_tile(const float* const* vrow, const float* p, const float* alpha,
+                                          int64_t mp, int64_t kc, float* ot, int64_t i0, int64_t mv0) {
   using reg = typename V::reg;
   reg acc[IB][MB];
   for (int mb = 0; mb < MB; ++mb) {
@@ -182,8 +185,18 @@ void extend_unit_of(const ExtendAttention& a, int64_t b, int64_t kvh, int64_t to
     // online softmax, element-wise over vectors of rows
     for (int64_t v = 0; v < nv; ++v) {
       const reg old_max = V::load(run_max + v * W);
-      reg mx = old_max;
-      for (int64_t j = 0; j < kc; ++j) mx = V::max(mx, V::load(s + j * mp + v * W));
+      // four chains: one would wait on each max's latency (the max of -inf and finite scores
+      // is the same in any order)
+      reg mx = old_max, mx1 = old_max, mx2 = old_max, mx3 = old_max;
+      int64_t j = 0;
+      for (; j + 4 <= kc; j += 4) {
+        mx = V::max(mx, V::load(s + j * mp + v * W));
+        mx1 = V::max(mx1, V::load(s + (j + 1) * mp + v * W));
+        mx2 = V::max(mx2, V::load(s + (j + 2) * mp + v * W));
+        mx3 = V::max(mx3, V::load(s + (j + 3) * mp + v * W));
+      }
+      for (; j < kc; ++j) mx = V::max(mx, V::load(s + j * mp + v * W));
+      mx = V::max(V::max(mx, mx1), V::max(mx2, mx3));
       reg sum = V::zero();
       for (int64_t j = 0; j < kc; ++j) {
         const reg p = V::exp_nonpositive(V::sub(V::load(s + j * mp + v * W), mx));
