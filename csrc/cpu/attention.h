@@ -26,22 +26,50 @@ struct DecodeAttention {
 // Keys scored per pass of the online softmax (a whole block when block_size is smaller).
 constexpr int64_t kKeysPerChunk = 32;
 
+// A decode row's keys are split into parts of this many (the last one shorter), each part of
+// each KV head its own unit of work, merged in part order: so a lone long row keeps every thread
+// busy (one unit per KV head left a thread idle a third of the time with 3 KV heads on 2; parts
+// of 512 keys measured no better, docs/cpu-attention.md).
+// The split depends on the row's context alone, never on its batch or the thread count, so a
+// row's result is the same bits wherever it runs.
+constexpr int64_t kDecodeKeysPerPart = 1024;
+static inline int64_t decode_parts(int64_t len) { return (len + kDecodeKeysPerPart - 1) / kDecodeKeysPerPart; }
+
+// Keys [begin, end) of one unit. `state` null: the unit covers the whole context and writes the
+// normalized output; else it leaves its part's softmax state there (decode_state_floats):
+// [group][head_dim] unnormalized sums of value rows, then the group's running maxima, then
+// their sums of exponentials.
+struct DecodeKeys {
+  int64_t begin, end;
+  float* state;
+};
+
+static inline int64_t decode_state_floats(const DecodeAttention& a) {
+  return a.heads / a.kv_heads * (a.head_dim + 2);
+}
+
 // Scratch floats one unit of work needs (the caller gives each thread its own).
 inline int64_t decode_attention_scratch(const DecodeAttention& a) {
   const int64_t group = a.heads / a.kv_heads;
   return group * (a.head_dim + kKeysPerChunk + 2);
 }
 
-// Sequence `b`, KV head `kvh`: its group of query heads attended over the sequence's context.
-void decode_attention_avx2(const DecodeAttention& a, int64_t b, int64_t kvh, float* scratch);
+// Sequence `b`, KV head `kvh`, `keys` of its context: its group of query heads attended.
+void decode_attention_avx2(const DecodeAttention& a, int64_t b, int64_t kvh, const DecodeKeys& keys,
+                           float* scratch);
 // The same on AVX-512 (attention_avx512.cpp); false (nothing done) for shapes it does not cover.
-bool decode_attention_avx512(const DecodeAttention& a, int64_t b, int64_t kvh, float* scratch);
+bool decode_attention_avx512(const DecodeAttention& a, int64_t b, int64_t kvh, const DecodeKeys& keys,
+                             float* scratch);
+// Sequence `b`, KV head `kvh`: the output from its `parts` states (`states`, one after another),
+// combined in part order (attention_avx2.cpp: one definition, so every caller gets the same bits).
+void decode_attention_merge(const DecodeAttention& a, int64_t b, int64_t kvh, const float* states, int64_t parts);
 
 // One unit with the AVX-512 kernel where `avx512` (the caller's instruction set) and the shape
 // allow, else the AVX2 one. Every caller goes through here, so a decode row gets the same
 // arithmetic in a decode batch, in a mixed batch and op by op.
-inline void decode_attention_unit(const DecodeAttention& a, int64_t b, int64_t kvh, float* scratch, bool avx512) {
-  if (!avx512 || !decode_attention_avx512(a, b, kvh, scratch)) decode_attention_avx2(a, b, kvh, scratch);
+inline void decode_attention_unit(const DecodeAttention& a, int64_t b, int64_t kvh, const DecodeKeys& keys,
+                                  float* scratch, bool avx512) {
+  if (!avx512 || !decode_attention_avx512(a, b, kvh, keys, scratch)) decode_attention_avx2(a, b, kvh, keys, scratch);
 }
 
 // Extend (chunked prefill over a cached prefix): several new tokens per sequence, causal. The

@@ -42,12 +42,31 @@ inline __m256 load8(const uint16_t* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
 
+// A unit's end: the normalized output (`keys` the whole context), or its part's softmax state
+// (acc [group][d], then the maxima and the sums) for decode_attention_merge.
+void finish(const DecodeAttention& a, int64_t b, int64_t kvh, const DecodeKeys& keys, const float* acc,
+            const float* run_max, const float* run_sum) {
+  const int64_t group = a.heads / a.kv_heads, d = a.head_dim;
+  if (keys.state != nullptr) {
+    std::copy(acc, acc + group * d, keys.state);
+    std::copy(run_max, run_max + group, keys.state + group * d);
+    std::copy(run_sum, run_sum + group, keys.state + group * d + group);
+    return;
+  }
+  float* out = a.out + (b * a.heads + kvh * group) * d;
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = 1.0f / run_sum[g];
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = acc[g * d + i] * inv;
+  }
+}
+
 // The head_dim % 8 == 0 path over cache elements T; same scratch layout as the generic one,
 // scores padded to 8.
 template <class T>
-void decode_attention_vec(const DecodeAttention& a, int64_t b, int64_t kvh, float* scratch) {
+void decode_attention_vec(const DecodeAttention& a, int64_t b, int64_t kvh, const DecodeKeys& keys, float* scratch) {
   const int64_t group = a.heads / a.kv_heads, d = a.head_dim, bs = a.block_size;
-  const int64_t len = a.lens[b], row = a.kv_heads * d;
+  const int64_t row = a.kv_heads * d;
   const float* q = a.q + b * a.q_stride + kvh * group * d;
   const int64_t* table = a.tables + b * a.table_stride;
   float* acc = scratch;
@@ -61,8 +80,8 @@ void decode_attention_vec(const DecodeAttention& a, int64_t b, int64_t kvh, floa
     for (int64_t i = 0; i < d; ++i) acc[g * d + i] = 0.0f;
   }
   const __m256 scale = _mm256_set1_ps(a.scale);
-  for (int64_t t0 = 0; t0 < len;) {
-    const int64_t off = t0 % bs, n = std::min({kKeysPerChunk, bs - off, len - t0});
+  for (int64_t t0 = keys.begin; t0 < keys.end;) {
+    const int64_t off = t0 % bs, n = std::min({kKeysPerChunk, bs - off, keys.end - t0});
     const int64_t base = (table[t0 / bs] * bs + off) * row + kvh * d;
     const int64_t padded = (n + 7) & ~int64_t{7};
     for (int64_t j = 0; j < n; ++j) {  // scores: each key row read once for the whole group
@@ -119,21 +138,36 @@ void decode_attention_vec(const DecodeAttention& a, int64_t b, int64_t kvh, floa
     }
     t0 += n;
   }
-  float* out = a.out + (b * a.heads + kvh * group) * d;
-  for (int64_t g = 0; g < group; ++g) {
-    const __m256 inv = _mm256_set1_ps(1.0f / run_sum[g]);
-    for (int64_t i = 0; i < d; i += 8)
-      _mm256_storeu_ps(out + g * d + i, _mm256_mul_ps(_mm256_loadu_ps(acc + g * d + i), inv));
-  }
+  finish(a, b, kvh, keys, acc, run_max, run_sum);
 }
 
 }  // namespace
 
-void decode_attention_avx2(const DecodeAttention& a, int64_t b, int64_t kvh, float* scratch) {
-  if (a.kv_half) return decode_attention_vec<uint16_t>(a, b, kvh, scratch);  // head_dim % 16 == 0 (checked)
-  if (a.head_dim % 8 == 0) return decode_attention_vec<float>(a, b, kvh, scratch);
+void decode_attention_merge(const DecodeAttention& a, int64_t b, int64_t kvh, const float* states, int64_t parts) {
+  const int64_t group = a.heads / a.kv_heads, d = a.head_dim, stride = decode_state_floats(a);
+  float* out = a.out + (b * a.heads + kvh * group) * d;
+  for (int64_t g = 0; g < group; ++g) {
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < parts; ++p) m = std::max(m, states[p * stride + group * d + g]);
+    float sum = 0.0f;
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] = 0.0f;
+    for (int64_t p = 0; p < parts; ++p) {  // in part order: the same bits whoever merges
+      const float* st = states + p * stride;
+      const float w = std::exp(st[group * d + g] - m);
+      sum += st[group * d + group + g] * w;
+      for (int64_t i = 0; i < d; ++i) out[g * d + i] += st[g * d + i] * w;
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t i = 0; i < d; ++i) out[g * d + i] *= inv;
+  }
+}
+
+void decode_attention_avx2(const DecodeAttention& a, int64_t b, int64_t kvh, const DecodeKeys& keys,
+                           float* scratch) {
+  if (a.kv_half) return decode_attention_vec<uint16_t>(a, b, kvh, keys, scratch);  // head_dim % 16 == 0 (checked)
+  if (a.head_dim % 8 == 0) return decode_attention_vec<float>(a, b, kvh, keys, scratch);
   const int64_t group = a.heads / a.kv_heads, d = a.head_dim, bs = a.block_size;
-  const int64_t len = a.lens[b], row = a.kv_heads * d;  // floats between neighbouring tokens
+  const int64_t row = a.kv_heads * d;  // floats between neighbouring tokens
   const float* q = a.q + b * a.q_stride + kvh * group * d;
   const int64_t* table = a.tables + b * a.table_stride;
   float* acc = scratch;                        // [group][d]
@@ -147,9 +181,9 @@ void decode_attention_avx2(const DecodeAttention& a, int64_t b, int64_t kvh, flo
   }
   const float* kv_rows[kKeysPerChunk];
   const float* vv_rows[kKeysPerChunk];
-  for (int64_t t0 = 0; t0 < len;) {
+  for (int64_t t0 = keys.begin; t0 < keys.end;) {
     // the keys of one chunk never cross a block boundary: one table lookup per chunk
-    const int64_t off = t0 % bs, n = std::min({kKeysPerChunk, bs - off, len - t0});
+    const int64_t off = t0 % bs, n = std::min({kKeysPerChunk, bs - off, keys.end - t0});
     const int64_t base = (table[t0 / bs] * bs + off) * row + kvh * d;
     for (int64_t j = 0; j < n; ++j) {
       kv_rows[j] = static_cast<const float*>(a.k_cache) + base + j * row;
@@ -175,12 +209,7 @@ void decode_attention_avx2(const DecodeAttention& a, int64_t b, int64_t kvh, flo
     }
     t0 += n;
   }
-  float* out = a.out + (b * a.heads + kvh * group) * d;
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = 1.0f / run_sum[g];
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) out[g * d + i] = acc[g * d + i] * inv;
-  }
+  finish(a, b, kvh, keys, acc, run_max, run_sum);
 }
 
 }  // namespace pds_cpu

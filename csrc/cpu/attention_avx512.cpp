@@ -31,8 +31,8 @@ inline __m512 load16(const uint16_t* p) {
 // G query heads of head_dim 16 * D over one KV head, cache elements T; `probs` is scratch for
 // G x 16 floats.
 template <int G, int D, class T>
-void decode_unit(const DecodeAttention& a, int64_t b, int64_t kvh, float* probs) {
-  const int64_t d = 16 * D, bs = a.block_size, len = a.lens[b], row = a.kv_heads * d;
+void decode_unit(const DecodeAttention& a, int64_t b, int64_t kvh, const DecodeKeys& keys, float* probs) {
+  const int64_t d = 16 * D, bs = a.block_size, row = a.kv_heads * d;
   const float* q = a.q + b * a.q_stride + kvh * G * d;
   const int64_t* table = a.tables + b * a.table_stride;
   __m512 qv[G][D], acc[G][D];
@@ -46,8 +46,8 @@ void decode_unit(const DecodeAttention& a, int64_t b, int64_t kvh, float* probs)
     run_sum[g] = 0.0f;
   }
   const __m512 scale = _mm512_set1_ps(a.scale);
-  for (int64_t t0 = 0; t0 < len;) {
-    const int64_t off = t0 % bs, n = std::min<int64_t>({kChunk, bs - off, len - t0});
+  for (int64_t t0 = keys.begin; t0 < keys.end;) {
+    const int64_t off = t0 % bs, n = std::min<int64_t>({kChunk, bs - off, keys.end - t0});
     const T* k0 = static_cast<const T*>(a.k_cache) + (table[t0 / bs] * bs + off) * row + kvh * d;
     const T* v0 = static_cast<const T*>(a.v_cache) + (table[t0 / bs] * bs + off) * row + kvh * d;
     for (int64_t j = 0; j < n; ++j) {  // scores: each key row read once for the group
@@ -86,6 +86,14 @@ void decode_unit(const DecodeAttention& a, int64_t b, int64_t kvh, float* probs)
     }
     t0 += n;
   }
+  if (keys.state != nullptr) {  // one part of the keys: its state, for decode_attention_merge
+    for (int g = 0; g < G; ++g) {
+      for (int i = 0; i < D; ++i) _mm512_storeu_ps(keys.state + g * d + 16 * i, acc[g][i]);
+      keys.state[G * d + g] = run_max[g];
+      keys.state[G * d + G + g] = run_sum[g];
+    }
+    return;
+  }
   float* out = a.out + (b * a.heads + kvh * G) * d;
   for (int g = 0; g < G; ++g) {
     const __m512 inv = _mm512_set1_ps(1.0f / run_sum[g]);
@@ -94,30 +102,32 @@ void decode_unit(const DecodeAttention& a, int64_t b, int64_t kvh, float* probs)
 }
 
 template <int D, class T>
-bool decode_group(const DecodeAttention& a, int64_t b, int64_t kvh, float* probs) {
+bool decode_group(const DecodeAttention& a, int64_t b, int64_t kvh, const DecodeKeys& keys, float* probs) {
   switch (a.heads / a.kv_heads) {
-    case 1: decode_unit<1, D, T>(a, b, kvh, probs); return true;
-    case 2: decode_unit<2, D, T>(a, b, kvh, probs); return true;
-    case 3: decode_unit<3, D, T>(a, b, kvh, probs); return true;
-    case 4: decode_unit<4, D, T>(a, b, kvh, probs); return true;
-    case 5: decode_unit<5, D, T>(a, b, kvh, probs); return true;
-    case 6: decode_unit<6, D, T>(a, b, kvh, probs); return true;
-    case 7: decode_unit<7, D, T>(a, b, kvh, probs); return true;
-    case 8: decode_unit<8, D, T>(a, b, kvh, probs); return true;
+    case 1: decode_unit<1, D, T>(a, b, kvh, keys, probs); return true;
+    case 2: decode_unit<2, D, T>(a, b, kvh, keys, probs); return true;
+    case 3: decode_unit<3, D, T>(a, b, kvh, keys, probs); return true;
+    case 4: decode_unit<4, D, T>(a, b, kvh, keys, probs); return true;
+    case 5: decode_unit<5, D, T>(a, b, kvh, keys, probs); return true;
+    case 6: decode_unit<6, D, T>(a, b, kvh, keys, probs); return true;
+    case 7: decode_unit<7, D, T>(a, b, kvh, keys, probs); return true;
+    case 8: decode_unit<8, D, T>(a, b, kvh, keys, probs); return true;
     default: return false;
   }
 }
 
 template <int D>
-bool decode_group(const DecodeAttention& a, int64_t b, int64_t kvh, float* probs) {
-  return a.kv_half ? decode_group<D, uint16_t>(a, b, kvh, probs) : decode_group<D, float>(a, b, kvh, probs);
+bool decode_group(const DecodeAttention& a, int64_t b, int64_t kvh, const DecodeKeys& keys, float* probs) {
+  return a.kv_half ? decode_group<D, uint16_t>(a, b, kvh, keys, probs)
+                   : decode_group<D, float>(a, b, kvh, keys, probs);
 }
 
 }  // namespace
 
-bool decode_attention_avx512(const DecodeAttention& a, int64_t b, int64_t kvh, float* scratch) {
-  if (a.head_dim == 64) return decode_group<4>(a, b, kvh, scratch);
-  if (a.head_dim == 128) return decode_group<8>(a, b, kvh, scratch);
+bool decode_attention_avx512(const DecodeAttention& a, int64_t b, int64_t kvh, const DecodeKeys& keys,
+                             float* scratch) {
+  if (a.head_dim == 64) return decode_group<4>(a, b, kvh, keys, scratch);
+  if (a.head_dim == 128) return decode_group<8>(a, b, kvh, keys, scratch);
   return false;
 }
 

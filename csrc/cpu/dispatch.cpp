@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "decode_split.h"
 #include "dispatch.h"
 #include "norm.h"
 #include "qgemm.h"
@@ -201,10 +202,14 @@ __attribute__((visibility("default"))) int pds_cpu_paged_decode_attention(
     if (lens[b] <= 0) return 2;
   const DecodeAttention a{q, q_stride, k_cache, v_cache, kv_half != 0, tables, table_stride, lens, out,
                           heads, kv_heads, head_dim, block_size, scale};
-  parallel_for_chunks(B * kv_heads, threads, [&](int64_t u) {
+  DecodeSplit split(a, B, [](int64_t) { return true; });
+  std::vector<int64_t> first_unit(B + 1, 0);  // units of rows before b
+  for (int64_t b = 0; b < B; ++b) first_unit[b + 1] = first_unit[b] + split.units(b);
+  parallel_for_chunks(first_unit[B], threads, [&](int64_t u) {
     thread_local std::vector<float> scratch;
     if (static_cast<int64_t>(scratch.size()) < decode_attention_scratch(a)) scratch.resize(decode_attention_scratch(a));
-    decode_attention_unit(a, u / kv_heads, u % kv_heads, scratch.data(), k == &kAvx512);
+    const int64_t b = std::upper_bound(first_unit.begin(), first_unit.end(), u) - first_unit.begin() - 1;
+    split.run(b, u - first_unit[b], a, b, scratch.data(), k == &kAvx512);
   });
   return 0;
 }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "attention.h"
+#include "decode_split.h"
 #include "dispatch.h"
 #include "work_pool.h"
 
@@ -32,34 +33,39 @@ __attribute__((visibility("default"))) int pds_cpu_paged_extend_attention(
   if (kv_half && head_dim % 16) return 2;
   const ExtendAttention a{q, q_stride, k_cache, v_cache, kv_half != 0, tables, table_stride, lens, starts, out,
                           heads, kv_heads, head_dim, block_size, scale};
+  for (int64_t b = 0; b < B; ++b)
+    if (starts[b + 1] - starts[b] < 0 || starts[b + 1] - starts[b] > lens[b]) return 2;
+  // one new token (a decode row in a mixed batch): the decode kernel's units, the same arithmetic
+  // as when the batch is all decode, so the token's result does not depend on its neighbours
+  const auto is_row = [&](int64_t b) { return starts[b + 1] - starts[b] == 1; };
+  const DecodeAttention one{q, q_stride, k_cache, v_cache, kv_half != 0, tables, table_stride, lens, out,
+                            heads, kv_heads, head_dim, block_size, scale};
+  DecodeSplit split(one, B, is_row);
   const int64_t per_tile = extend_tokens_per_tile(a);
   std::vector<int64_t> first_unit(B + 1, 0);  // units of sequences before b
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = starts[b + 1] - starts[b];
-    if (n < 0 || n > lens[b]) return 2;
-    first_unit[b + 1] = first_unit[b] + (n + per_tile - 1) / per_tile * kv_heads;
+    first_unit[b + 1] = first_unit[b] + (is_row(b) ? split.units(b) : (n + per_tile - 1) / per_tile * kv_heads);
   }
   const bool wide = k == &kAvx512;
-  const DecodeAttention one{q, q_stride, k_cache, v_cache, kv_half != 0, tables, table_stride, lens, out,
-                            heads, kv_heads, head_dim, block_size, scale};
   const int64_t scratch_floats = std::max(extend_attention_scratch(a), decode_attention_scratch(one));
   parallel_for_chunks(first_unit[B], threads, [&](int64_t u) {
     const int64_t b = std::upper_bound(first_unit.begin(), first_unit.end(), u) - first_unit.begin() - 1;
-    // a KV head's tiles are neighbours: a thread taking the next unit finds its K/V in cache
-    const int64_t tiles = (first_unit[b + 1] - first_unit[b]) / kv_heads;
-    const int64_t local = u - first_unit[b], kvh = local / tiles, tile = local % tiles;
     thread_local std::vector<float> scratch;
     if (static_cast<int64_t>(scratch.size()) < scratch_floats) scratch.resize(scratch_floats);
-    if (starts[b + 1] - starts[b] == 1) {
-      // one new token (a decode row in a mixed batch): the decode kernel, the same arithmetic
-      // as when the batch is all decode, so the token's result does not depend on its neighbours
-      DecodeAttention d = one;  // a batch of this one sequence
+    if (is_row(b)) {
+      DecodeAttention d = one;  // the row as a batch of one: its q row is starts[b]
       d.q = q + starts[b] * q_stride;
       d.out = out + starts[b] * heads * head_dim;
       d.tables = tables + b * table_stride;
       d.lens = lens + b;
-      decode_attention_unit(d, 0, kvh, scratch.data(), wide);
-    } else if (wide)
+      split.run(b, u - first_unit[b], d, 0, scratch.data(), wide);
+      return;
+    }
+    // a KV head's tiles are neighbours: a thread taking the next unit finds its K/V in cache
+    const int64_t tiles = (first_unit[b + 1] - first_unit[b]) / kv_heads;
+    const int64_t local = u - first_unit[b], kvh = local / tiles, tile = local % tiles;
+    if (wide)
       extend_attention_avx512(a, b, kvh, tile * per_tile, scratch.data());
     else
       extend_attention_avx2(a, b, kvh, tile * per_tile, scratch.data());

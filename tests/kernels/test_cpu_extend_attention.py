@@ -78,8 +78,9 @@ def test_more_new_tokens_than_context_is_a_clear_error():
         cpu_lib.paged_extend_attention(q, k_cache, v_cache, tables, torch.tensor(lens), torch.tensor([0, 4]), 0.25)
 
 
-def test_a_decode_token_among_prefill_chunks_gets_the_decode_kernels_result():
-    q, k_cache, v_cache, tables, lens, starts = _case([1, 30, 1], [40, 20, 77], 9, 3, 64, 16, seed=9)
+@pytest.mark.parametrize("cached", [[40, 20, 77], [2600, 20, 1500]])  # short rows, and rows in parts
+def test_a_decode_token_among_prefill_chunks_gets_the_decode_kernels_result(cached):
+    q, k_cache, v_cache, tables, lens, starts = _case([1, 30, 1], cached, 9, 3, 64, 16, seed=9)
     mixed = attention_cpu.paged_attention_cpu(q, k_cache, v_cache, starts, lens, tables, 0.125)
     decode_rows = [0, 31]
     alone = cpu_lib.paged_decode_attention(q[decode_rows], k_cache, v_cache, tables[[0, 2]],

@@ -11,7 +11,9 @@ rounding of a head_dim-term dot product, at most about head_dim * 2^-24 * sum|q_
 (≈ 4e-6 relative for head_dim 128); the softmax weights then differ by that much relative, and
 each output is a convex combination of value rows, so |Δout| <= (|Δscore| * 2 + context * 2^-24)
 * max|v|. With |q|, |k|, |v| ~ N(0, 1), head_dim <= 128 and contexts <= 300 that is < 1e-4;
-we allow atol 2e-4, rtol 1e-4 (observed: ≤ 3e-6).
+we allow atol 2e-4, rtol 1e-4 (observed: ≤ 3e-6). Contexts over 1,024 keys are computed in
+parts and merged (a few more roundings: one exp and one product per part); the worst case grows
+with the context (≈ 6e-4 at 2,600) but rounding errors do not line up: observed ≤ 4e-7 there.
 """
 from __future__ import annotations
 
@@ -54,6 +56,9 @@ CASES = [  # (context lengths, heads, kv_heads, head_dim, block_size)
     ([5, 40, 64, 65, 129], 4, 4, 40, 32),    # no GQA, head_dim not a multiple of 8 or 16
     ([50, 3], 6, 2, 24, 7),                  # odd block size, chunks cut by block ends
     ([200], 12, 4, 64, 256),                 # one block longer than a chunk of keys
+    ([2600, 1025, 1024, 2049], 9, 3, 64, 16),  # split in parts of 1,024 keys, merged (attention.h)
+    ([2200, 600], 8, 1, 128, 32),              # GQA 8:1 over parts
+    ([1400, 90], 6, 2, 24, 7),                 # parts that start inside a block, the generic path
 ]
 
 
@@ -81,11 +86,24 @@ def test_the_op_takes_the_native_kernel():
 
 
 def test_threads_split_sequences_and_kv_heads_without_changing_the_result():
-    q, k_cache, v_cache, tables = _case([70, 9, 130], 9, 3, 64, 16, seed=7)
-    lens = torch.tensor([70, 9, 130])
-    one = cpu_lib.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, threads=1)
-    two = cpu_lib.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125, threads=2)
-    assert torch.equal(one, two)  # each (sequence, KV head) is one thread's, summed in one order
+    lens = [70, 9, 2600]  # the long one in parts of 1,024 keys, on either thread, merged in one order
+    q, k_cache, v_cache, tables = _case(lens, 9, 3, 64, 16, seed=7)
+    one = cpu_lib.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 0.125, threads=1)
+    two = cpu_lib.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 0.125, threads=2)
+    assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_long_rows_parts_do_not_depend_on_its_batch(isa):
+    """The split of a row's keys follows from its own context: alone or among other rows (with
+    parts of their own or not), its result is the same bits."""
+    lens = [2600, 40, 4097, 1024, 1025]
+    q, k_cache, v_cache, tables = _case(lens, 9, 3, 64, 16, seed=11)
+    batch = cpu_lib.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), 0.125, isa=isa)
+    for b, n in enumerate(lens):
+        alone = cpu_lib.paged_decode_attention(q[b:b + 1], k_cache, v_cache, tables[b:b + 1], torch.tensor([n]),
+                                               0.125, isa=isa)
+        assert torch.equal(batch[b:b + 1], alone), n
 
 
 def test_other_dtypes_run_the_reference():
