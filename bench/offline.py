@@ -3,6 +3,7 @@
     python bench/offline.py [--batch-sizes 1,8,32,64] [--input-len 64] [--output-len 64]
                             [--threads 1] [--hf-max-batch 64] [--repeats 1] [--out PATH] [--quick]
                             [--kernels auto|torch|native] [--op-bench] [--ab-op NAME]
+                            [--device cpu|cuda] [--overlap]
 
 Every batch size runs the same random prompts (fixed length, greedy, every request made to emit
 exactly --output-len tokens) through the engine (all requests added at once, stepped until done)
@@ -18,7 +19,10 @@ chosen (after), so both see the same background load; each batch prints both and
 `--overlap` instead compares the plain loop with the overlapped one (docs/overlap.md): the
 median decode step and its parts from the loop's own timers (forward, plan = observe + agree +
 plan + broadcast, poll = the transfer polling within it, apply, the wait for the forward, and
-this script's output handling).
+this script's output handling). `--device cuda` runs both systems on the GPU in bfloat16 (the
+engine's default dtype there) and skips the CPU roofline. `--profile` (with `--overlap`) also
+runs the plain loop's decode steps at the largest batch under torch's profiler and prints where a
+step's host time goes: the ops by self time, and the host-device synchronizations per step.
 """
 from __future__ import annotations
 
@@ -125,7 +129,7 @@ def run_hf(model, prompts: list[list[int]], output_len: int, pad_id: int) -> Run
             stamps.append(time.perf_counter())
             return scores
 
-    ids, mask = left_pad(prompts, pad_id)
+    ids, mask = (t.to(model.device) for t in left_pad(prompts, pad_id))
     t0, c0 = time.perf_counter(), time.process_time()
     with torch.inference_mode():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=output_len,
@@ -193,6 +197,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="alternate each engine run with these ops (comma-separated) on their torch "
                         "references (before) and as chosen (after)")
     p.add_argument("--quick", action="store_true", help="smoke run: batches 1,4; 16 in, 8 out")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the engine and transformers run")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="on a GPU, decode steps op by op (no CUDA graphs)")
+    p.add_argument("--profile", action="store_true", help="with --overlap: profile the plain loop's decode steps")
     p.add_argument("--overlap", action="store_true",
                    help="compare the plain loop with the overlapped one (no transformers run)")
     args = p.parse_args(argv)
@@ -240,6 +248,50 @@ def overlap_steps(engine, prompts: list[list[int]], output_len: int, tag: str) -
     return out
 
 
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def profile_steps(engine, prompts: list[list[int]], output_len: int) -> dict:
+    """`output_len` tokens for `prompts` with the profiler on during the decode steps only:
+    per decode step, the host time, the device time of the kernels and the synchronizing
+    calls; the ops by self host time. Prints both."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from pdserve.engine.sampling_params import SamplingParams
+
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"prof-{i}", ids, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
+    with torch.inference_mode():
+        while engine.has_work() and not all(s.output_ids for s in engine.scheduler.running):
+            engine.step()  # prefill: not profiled
+        cuda = torch.cuda.is_available() and str(engine.config.device).startswith("cuda")
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        steps = 0
+        with profile(activities=activities) as prof:
+            t0 = time.perf_counter()
+            while engine.has_work():
+                engine.step()
+                steps += 1
+        wall = time.perf_counter() - t0
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") if cuda else 0.0
+    syncs = {e.key: e.count / steps for e in events if e.key.startswith(SYNC_EVENTS)}
+    launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
+    out = {"steps": steps, "host_ms_per_step": 1e3 * wall / max(steps, 1),
+           "device_ms_per_step": device_us / 1e3 / max(steps, 1), "launches_per_step": launches / max(steps, 1),
+           "syncs_per_step": syncs,
+           "top_ops": [{"op": e.key, "count_per_step": e.count / steps, "self_host_ms_per_step":
+                        e.self_cpu_time_total / 1e3 / steps} for e in
+                       sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]]}
+    print(f"\nprofile: {len(prompts)} streams, {steps} decode steps (profiler on: times include its cost)")
+    print(f"per step: {out['host_ms_per_step']:.2f} ms host wall, {out['device_ms_per_step']:.2f} ms of kernels, "
+          f"{out['launches_per_step']:.0f} kernel launches; synchronizing calls: "
+          + ", ".join(f"{k} {v:.1f}" for k, v in syncs.items()))
+    print(table(["op", "calls/step", "self host ms/step"],
+                [[r["op"][:60], f"{r['count_per_step']:.1f}", f"{r['self_host_ms_per_step']:.3f}"] for r in out["top_ops"]]))
+    return out
+
+
 def overlap_main(args: argparse.Namespace) -> int:
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm_engine import LLMEngine
@@ -254,8 +306,9 @@ def overlap_main(args: argparse.Namespace) -> int:
     engines = {}
     for on in (False, True):
         engines[on] = LLMEngine(EngineConfig(
-            model=args.model, threads=args.threads, kernels=args.kernels, quantization=args.quantization,
-            max_num_seqs=most, max_num_batched_tokens=args.max_num_batched_tokens, overlap=on,
+            model=args.model, device=args.device, threads=args.threads, kernels=args.kernels,
+            quantization=args.quantization, max_num_seqs=most, max_num_batched_tokens=args.max_num_batched_tokens,
+            overlap=on, cuda_graphs=args.cuda_graphs,
             kv_cache_memory=kv_bytes(model_dir, most, args.input_len + args.output_len, 16)))
         overlap_steps(engines[on], make_prompts(2, 8, min(vocab, 300), 999), 4, f"warm{on}")
     cells = []
@@ -271,10 +324,12 @@ def overlap_main(args: argparse.Namespace) -> int:
     print(table(["batch", "overlap", *keys],
                 [[c["batch"], "on" if c["overlap"] else "off", *(f"{c.get(k, math.nan):.3f}" for k in keys)]
                  for c in cells]))
+    profile = profile_steps(engines[False], make_prompts(most, args.input_len, vocab, args.seed), 32) \
+        if args.profile else None
     for on in engines.values():
         on.close()
     write_json(args.out, {"benchmark": "offline-overlap", "args": _plain(vars(args)), "model_dir": str(model_dir),
-                          "environment": environment(), "cells": cells})
+                          "environment": environment(), "cells": cells, "profile": profile})
     print(f"wrote {args.out}; end: {load_average()}")
     return 0
 
@@ -293,13 +348,14 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     print(f"{load_average()}; threads={args.threads}; model={model_dir}", flush=True)
     most = max(args.batch_sizes)
-    cfg = EngineConfig(model=args.model, threads=args.threads, kernels=args.kernels,
+    cfg = EngineConfig(model=args.model, device=args.device, threads=args.threads, kernels=args.kernels,
+                       cuda_graphs=args.cuda_graphs,
                        quantization=args.quantization, max_num_seqs=most,
                        max_num_batched_tokens=args.max_num_batched_tokens,
                        kv_cache_memory=kv_bytes(model_dir, most, args.input_len + args.output_len, 16))
     llm = LLM(cfg)
     vocab = read_config(model_dir)["vocab_size"]
-    hf = None if args.no_hf else load_hf(model_dir)
+    hf = None if args.no_hf else load_hf(model_dir, args.device)
     warm = make_prompts(2, 8, vocab, seed=999)
     run_engine(llm, warm, 4, "warm")
     if hf:
@@ -313,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     for c in cells:
         if c["hf_skipped"]:
             print(f"transformers skipped at batch {c['batch']}: {c['hf_skipped']}")
-    roof = batch1_roofline(llm, cells)
+    roof = batch1_roofline(llm, cells) if args.device == "cpu" else None
     ops_rows = None
     if args.op_bench:
         import op_bench
@@ -416,11 +472,13 @@ def _row(c: dict) -> list[object]:
             e["ttft_ms"], h.get("ttft_ms"), c["load_average_after"][0]]
 
 
-def load_hf(model_dir: Path):
-    """The transformers model on the same weights, fp32, and its pad id."""
+def load_hf(model_dir: Path, device: str = "cpu"):
+    """The transformers model on the same weights and device (fp32 on a CPU, bfloat16 on a GPU:
+    the engine's dtypes), and its pad id."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     gc = model.generation_config
     eos = gc.eos_token_id[0] if isinstance(gc.eos_token_id, list) else gc.eos_token_id
     pad = gc.pad_token_id if gc.pad_token_id is not None else eos

@@ -63,6 +63,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=d.overlap,
                    help="plan, agree and poll transfers for the next step while the forward runs on "
                         "its own thread (docs/overlap.md; default off: --no-overlap is the plain loop)")
+    p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="on a GPU, run every decode step op by op instead of replaying a CUDA graph "
+                        "captured per batch size (docs/gpu.md)")
     p.add_argument("--host-cache-memory", type=_bytes, default=0,
                    help="host memory per rank for cached KV blocks evicted from the pool, e.g. 1GiB "
                         "(a second prefix cache tier; default 0: none)")
@@ -87,7 +90,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
                         prefix_cache=getattr(args, "prefix_cache", True),
                         host_cache_memory=getattr(args, "host_cache_memory", 0) or 0,
-                        overlap=getattr(args, "overlap", False))
+                        overlap=getattr(args, "overlap", False),
+                        cuda_graphs=getattr(args, "cuda_graphs", True))
 
 
 def _default_threads(args: argparse.Namespace) -> int:

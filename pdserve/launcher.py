@@ -239,6 +239,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
         flags.append("--no-prefix-cache")
     if getattr(args, "overlap", None) is not None:
         flags.append("--overlap" if args.overlap else "--no-overlap")
+    if getattr(args, "cuda_graphs", True) is False:
+        flags.append("--no-cuda-graphs")
     return flags
 
 
@@ -595,6 +597,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="the workers recompute every prompt (no reuse of cached prefix blocks)")
     e.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="the workers plan the next step while the forward runs (docs/overlap.md)")
+    e.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
+                   help="the GPU workers run decode steps op by op (no CUDA graphs; docs/gpu.md)")
     e.add_argument("--host-cache-memory", default=None,
                    help="host memory per worker rank for evicted cached KV blocks, e.g. 1GiB")
     e.add_argument("--worker-arg", action="append", default=[], metavar="ARG",

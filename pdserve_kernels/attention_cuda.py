@@ -7,19 +7,26 @@ kernel takes contiguous keys; its causal mask is bottom-right aligned, which is 
 after a cached prefix needs. The kernels take bfloat16 and head_dim 64 or 128 (checked when
 the backend is chosen for bfloat16; per call for the head size: another head size runs the
 reference, with a warning once).
+
+Every layer of a step passes the same block tables and lengths, so what the decode launches read
+besides the cache (int32 lengths and tables on the device, the split count) is built once per
+step (`decode_inputs`), and the lengths go to the device without waiting for the stream: a
+blocking copy made the host wait for the GPU once per layer (docs/gpu.md).
 """
 from __future__ import annotations
 
 import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from . import cuda_lib
 from .attention import gather_kv, paged_attention
 
-logger = logging.getLogger(__name__)
 from .dispatch import Availability
+
+logger = logging.getLogger(__name__)
 
 HEAD_DIMS = (64, 128)
 
@@ -56,17 +63,54 @@ def paged_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     dev = q.device
     q = q.contiguous()
     if num_seqs and query_start_loc[-1] == num_seqs:  # one query per sequence: paged decode
-        lens = torch.tensor(context_lens, dtype=torch.int32, device=dev)
-        splits = cuda_lib.default_decode_splits(num_seqs, k_cache.shape[2], q.shape[1] // k_cache.shape[2],
-                                                max(context_lens), _num_sms(dev.index or 0))
-        return cuda_lib.attn_decode(q, k_cache, v_cache, block_tables.to(torch.int32).contiguous(), lens,
-                                    scale, num_splits=splits)
+        step = decode_inputs(block_tables, context_lens, k_cache.shape[2], q.shape[1] // k_cache.shape[2])
+        return cuda_lib.attn_decode(q, k_cache, v_cache, step.tables, step.lens, scale, num_splits=step.splits)
     k = torch.cat([gather_kv(k_cache, block_tables[i], n) for i, n in enumerate(context_lens)])
     v = torch.cat([gather_kv(v_cache, block_tables[i], n) for i, n in enumerate(context_lens)])
     cu_q = torch.tensor(query_start_loc, dtype=torch.int32, device=dev)
     cu_k = torch.tensor([0, *context_lens], dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
     max_q = max(b - a for a, b in zip(query_start_loc, query_start_loc[1:]))
     return cuda_lib.attn_prefill(q, k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, scale, causal=True)
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """What a step's paged decode launches read besides the cache, the same for every layer."""
+
+    tables: torch.Tensor  # int32 [num_seqs, max_blocks], on the cache's device
+    lens: torch.Tensor    # int32 [num_seqs]
+    splits: int           # split-KV parts per sequence
+
+
+# (block tables, lengths, int32 tables, device lengths) of the step being computed
+_decode_memo: tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor] | None = None
+
+
+def decode_inputs(block_tables: torch.Tensor, context_lens: list[int], num_kv_heads: int,
+                  group: int) -> DecodeInputs:
+    """The step's DecodeInputs: the device tensors are made by its first layer and reused by
+    the others. The memo holds the step's `block_tables` tensor, so a later step's tables can
+    never match it."""
+    global _decode_memo
+    memo = _decode_memo
+    if memo is None or memo[0] is not block_tables or memo[1] != context_lens:
+        # non_blocking from pageable memory: CUDA stages the list's bytes before returning, so
+        # the host goes on launching instead of waiting for the kernels queued before the copy
+        lens = torch.tensor(context_lens, dtype=torch.int32).to(block_tables.device, non_blocking=True)
+        memo = _decode_memo = (block_tables, list(context_lens), block_tables.to(torch.int32).contiguous(), lens)
+    dev = block_tables.device
+    num_sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 1
+    splits = cuda_lib.default_decode_splits(len(context_lens), num_kv_heads, group, max(context_lens), num_sms)
+    return DecodeInputs(memo[2], memo[3], splits)
+
+
+def use_decode_inputs(block_tables: torch.Tensor, context_lens: list[int], tables: torch.Tensor,
+                      lens: torch.Tensor) -> None:
+    """Make the decode launches of the step whose metadata holds `block_tables` and
+    `context_lens` read `tables` (int32) and `lens` (int32, on the device): a CUDA graph's
+    static inputs, which it refills before every replay (engine/cuda_graphs.py)."""
+    global _decode_memo
+    _decode_memo = (block_tables, list(context_lens), tables, lens)
 
 
 @functools.lru_cache(maxsize=None)

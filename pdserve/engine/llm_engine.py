@@ -27,6 +27,7 @@ from pdserve.scheduler.recent import RecentIds
 from pdserve.structured.factory import grammars_for_model
 from pdserve.weights import resolve_model_path
 
+from . import cuda_graphs
 from .config import EngineConfig, fit_context
 from .kv_link import KVLink
 from .model_runner import ModelRunner
@@ -103,6 +104,13 @@ class LLMEngine:
                             first_token_slack=config.first_token_budget()),
             self.allocator, eos_token_ids(self.model_dir))
         self.runner = ModelRunner(self.model, self.pool, config.device, tp)
+        why = (cuda_graphs.unusable(self.model, config.device, tp.size, dtype) if config.cuda_graphs
+               else "--no-cuda-graphs")
+        if why is None:
+            self.runner.graphs = cuda_graphs.DecodeGraphs(self.model, self.pool, config.device, max_len,
+                                                          config.max_num_seqs)
+        elif config.device.startswith("cuda"):
+            logger.info("CUDA graphs off: %s; decode steps run eagerly", why)
         # constrained decoding: only rank 0 samples, so only its cache ever compiles (lockstep.py)
         self.grammars = self.runner.grammars = grammars_for_model(self.model_dir)
         self.kv_role = KVRole(kv_role)

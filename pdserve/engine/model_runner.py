@@ -17,6 +17,7 @@ from pdserve.layers.attention import AttentionMetadata
 from pdserve.scheduler.plan import SampledToken
 from pdserve.structured import Grammars
 
+from .cuda_graphs import DecodeGraphs
 from .prompt_logprobs import compute_prompt_logprobs, prompt_rows
 from .sampler import GrammarMasks, prepare_masks, sample
 from .sequence import Sequence
@@ -52,6 +53,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, pool: KVPool, device: str = "cpu", tp=None):
         self.model, self.pool, self.device, self.tp = model, pool, device, tp
         self.grammars: Grammars | None = None  # for constrained requests (the engine sets it)
+        self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs (the engine sets it)
 
     def metadata(self, batch: list[tuple[Sequence, int, int]]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -76,9 +78,11 @@ class ModelRunner:
             lens.append(start + n)
             tables.append(table + [0] * (width - len(table)))
         t = len(ids)
-        flat = torch.tensor(ids + positions + slots, dtype=torch.long).to(self.device)
-        meta = AttentionMetadata(starts, lens, torch.tensor(tables, dtype=torch.long).to(self.device),
-                                 flat[2 * t:], self.pool.layers)
+        # non_blocking: on a GPU, CUDA stages pageable bytes before returning, so these copies
+        # never wait for kernels still running (on a CPU it changes nothing)
+        flat = torch.tensor(ids + positions + slots, dtype=torch.long).to(self.device, non_blocking=True)
+        table_t = torch.tensor(tables, dtype=torch.long).to(self.device, non_blocking=True)
+        meta = AttentionMetadata(starts, lens, table_t, flat[2 * t:], self.pool.layers)
         return flat[:t], flat[t:2 * t], meta
 
     @torch.inference_mode()
@@ -120,7 +124,7 @@ class ModelRunner:
                 if missing:
                     raise RuntimeError(f"placeholders without a token from the previous forward: {missing}")
                 tokens = [last[rid] for rid in wanted]
-                ids[rows] = torch.tensor(tokens, dtype=ids.dtype).to(ids.device)
+                ids[rows] = torch.tensor(tokens, dtype=ids.dtype).to(ids.device, non_blocking=True)
             staged.placeholders = Placeholders(rows, tokens)
         return staged
 
@@ -134,8 +138,10 @@ class ModelRunner:
             # rank 0's tokens to every rank: on the model's group, the forward's first collective
             values = torch.tensor(ph.tokens if ph.tokens is not None else [0] * len(ph.rows), dtype=torch.long)
             self.tp.broadcast(values)
-            ids[ph.rows] = values.to(ids.device)
-        hidden = self.model(ids, positions, meta)
+            ids[ph.rows] = values.to(ids.device, non_blocking=True)
+        hidden = self.graphs.forward(ids, positions, meta) if self.graphs is not None else None
+        if hidden is None:
+            hidden = self.model(ids, positions, meta)
         wanted = prompt_rows(batch, meta.query_start_loc)
         if wanted:  # echo/prompt_logprobs: logits at every prompt position of these chunks
             compute_prompt_logprobs(self.model, hidden, wanted, keep=sample_tokens)
@@ -144,7 +150,7 @@ class ModelRunner:
         if len(ends) == hidden.shape[0]:  # decode: every row is a sequence's last token
             last_hidden = hidden
         else:
-            last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in ends], device=self.device)
+            last = torch.tensor([meta.query_start_loc[i + 1] - 1 for i in ends]).to(self.device, non_blocking=True)
             last_hidden = hidden[last]
         logits = self.model.compute_logits(last_hidden)
         if not sample_tokens:

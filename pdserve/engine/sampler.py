@@ -150,6 +150,10 @@ def _draw(row: torch.Tensor, seq: Sequence) -> int:
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
         # a vanishing temperature overflows the scaled logits (inf - inf): the limit is greedy
         return int(unscaled.argmax())
+    if seq.generator is not None and probs.device != seq.generator.device:
+        # a request's generator is made on the CPU (with its sequence, before any device is
+        # known): its draw runs there, so a seed draws alike on every device
+        probs = probs.cpu()
     return int(torch.multinomial(probs, 1, generator=seq.generator))
 
 

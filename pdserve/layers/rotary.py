@@ -90,18 +90,32 @@ class RotaryEmbedding(nn.Module):
         self.interleaved = interleaved
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [positions, D/2]
         self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # positions, cos, sin
+        self._covered = False  # the table covers every position a step can hold (cover())
+
+    def cover(self, positions: int, device: torch.device | str) -> None:
+        """Build the table for positions `0..positions-1` now and never check a step against it
+        again (the engine passes its context length). Checking reads the step's largest position
+        back to the host: on a GPU that waits for the queued kernels, and a CUDA graph cannot
+        capture it (engine/cuda_graphs.py)."""
+        self._table = self._build(positions, torch.device(device))
+        self._covered = True
+
+    def _build(self, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        pos = torch.arange(size, device=device, dtype=torch.float32)
+        freqs = pos[:, None] * self.inv_freq.to(device)[None, :]
+        return freqs.cos() * self.factor, freqs.sin() * self.factor
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos and sin `[T, 1, D/2]` at `positions` (attention factor applied)."""
         if self._step is not None and self._step[0] is positions:
             return self._step[1], self._step[2]
         table = self._table
-        need = int(positions.max()) + 1 if positions.numel() else 1
-        if table is None or table[0].shape[0] < need or table[0].device != positions.device:
-            size = 1 << max(need - 1, 255).bit_length()  # a power of two: few regrowths
-            pos = torch.arange(size, device=positions.device, dtype=torch.float32)
-            freqs = pos[:, None] * self.inv_freq.to(positions.device)[None, :]
-            table = self._table = (freqs.cos() * self.factor, freqs.sin() * self.factor)
+        if not (self._covered and table is not None and table[0].device == positions.device):
+            need = int(positions.max()) + 1 if positions.numel() else 1
+            if table is None or table[0].shape[0] < need or table[0].device != positions.device:
+                size = 1 << max(need - 1, 255).bit_length()  # a power of two: few regrowths
+                table = self._table = self._build(size, positions.device)
+                self._covered = False
         cos, sin = table[0][positions][:, None, :], table[1][positions][:, None, :]
         self._step = (positions, cos, sin)  # holds `positions`, so its identity is not reused
         return cos, sin
