@@ -10,8 +10,9 @@ computations on the CPU (so the script is known to work) and exits 0 with the re
 tests this harness (shapes, sentinels, layouts), not the kernels. Exit 1 when a check fails.
 
 `--engine` (on a GPU) also runs the engine end to end on CUDA (bfloat16, the default model) once
-per op backend (`--kernels torch`, then `native`: the csrc/ attention kernels inside the model),
-on the same greedy prompts, and compares them: the tokens agree, and decode tok/s of each. It
+per op backend (`--kernels torch`, then `native`: the csrc/ attention kernels inside the model,
+with its decode steps as CUDA graphs and again eagerly), on the same greedy prompts, and compares
+them: the tokens agree, and decode tok/s of each. It
 then runs the prefix cache's host tier on CUDA (a device pool too small for the prompts, so
 their blocks go to host memory and come back on asynchronous copies) against a cache-off run.
 """
@@ -354,13 +355,15 @@ class EngineRun:
         return self.output_tokens / self.seconds if self.seconds else 0.0
 
 
-def run_engine(device: str, kernels: str, max_tokens: int, dtype: str = "bfloat16") -> EngineRun:
-    """Generate ENGINE_PROMPTS greedily (one batch, chat template) with `--kernels kernels`."""
+def run_engine(device: str, kernels: str, max_tokens: int, dtype: str = "bfloat16",
+               cuda_graphs: bool = True) -> EngineRun:
+    """Generate ENGINE_PROMPTS greedily (one batch, chat template) with `--kernels kernels`
+    (and `--no-cuda-graphs` when `cuda_graphs` is false: its run is named `<kernels>_eager`)."""
     from pdserve.engine.config import EngineConfig
     from pdserve.engine.llm import LLM
     from pdserve.engine.sampling_params import SamplingParams
 
-    llm = LLM(EngineConfig(device=device, dtype=dtype, kernels=kernels))
+    llm = LLM(EngineConfig(device=device, dtype=dtype, kernels=kernels, cuda_graphs=cuda_graphs))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(ENGINE_PROMPTS[:1], SamplingParams(temperature=0, max_tokens=4), chat=True)  # warm-up
     if device.startswith("cuda"):
@@ -371,7 +374,12 @@ def run_engine(device: str, kernels: str, max_tokens: int, dtype: str = "bfloat1
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     tokens = [c.token_ids for c in out]
-    return EngineRun(kernels, llm.engine.kernels.describe(), tokens, seconds, sum(map(len, tokens)))
+    graphs = llm.engine.runner.graphs
+    name = kernels if cuda_graphs else f"{kernels}_eager"
+    # first: the note that carries it is cut at 300 characters
+    selection = ("CUDA graphs: " + (graphs.disabled or f"{len(graphs.graphs)} captured") if graphs is not None
+                 else "no CUDA graphs") + "; " + llm.engine.kernels.describe()
+    return EngineRun(name, selection, tokens, seconds, sum(map(len, tokens)))
 
 
 def compare_engine_runs(ref: EngineRun, other: EngineRun, min_prefix: int = 8) -> Check:
@@ -423,9 +431,11 @@ def run_host_tier(device: str, max_tokens: int, caching: bool) -> tuple[EngineRu
 
 
 def engine_checks(device: str, max_tokens: int) -> tuple[list[Check], list[dict]]:
-    """Run the engine once per backend on `device` and compare each with the torch run; then the
-    prefix cache's host tier against a cache-off run."""
-    runs = [run_engine(device, k, max_tokens) for k in ("torch", "native")]
+    """Run the engine once per backend on `device` and compare each with the torch run (native
+    twice: with its decode steps as CUDA graphs, and eagerly); then the prefix cache's host tier
+    against a cache-off run."""
+    runs = [run_engine(device, "torch", max_tokens), run_engine(device, "native", max_tokens),
+            run_engine(device, "native", max_tokens, cuda_graphs=False)]
     checks = [compare_engine_runs(runs[0], r) for r in runs[1:]]
     tokens = min(max_tokens, 32)
     (off, _), (on, loaded) = (run_host_tier(device, tokens, c) for c in (False, True))

@@ -252,27 +252,32 @@ SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynch
 
 
 def profile_steps(engine, prompts: list[list[int]], output_len: int) -> dict:
-    """`output_len` tokens for `prompts` with the profiler on during the decode steps only:
-    per decode step, the host time, the device time of the kernels and the synchronizing
-    calls; the ops by self host time. Prints both."""
+    """`output_len` tokens for `prompts` with the profiler on only while every one of them
+    decodes (no prompt chunk in the step, the batch at its full size): per step, the host time,
+    the device time of the kernels and the synchronizing calls; the ops by self host time."""
     from torch.profiler import ProfilerActivity, profile
 
     from pdserve.engine.sampling_params import SamplingParams
 
+    def decoding() -> int:
+        return sum(1 for s in engine.scheduler.running if s.output_ids)
+
     for i, ids in enumerate(prompts):
         engine.add_request(f"prof-{i}", ids, SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True))
     with torch.inference_mode():
-        while engine.has_work() and not all(s.output_ids for s in engine.scheduler.running):
-            engine.step()  # prefill: not profiled
+        while engine.has_work() and decoding() < len(prompts):
+            engine.step()  # the prompts: not profiled
         cuda = torch.cuda.is_available() and str(engine.config.device).startswith("cuda")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         steps = 0
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()
-            while engine.has_work():
+            while engine.has_work() and decoding() == len(prompts):
                 engine.step()
                 steps += 1
         wall = time.perf_counter() - t0
+        while engine.has_work():
+            engine.step()
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") if cuda else 0.0
     syncs = {e.key: e.count / steps for e in events if e.key.startswith(SYNC_EVENTS)}
@@ -324,7 +329,7 @@ def overlap_main(args: argparse.Namespace) -> int:
     print(table(["batch", "overlap", *keys],
                 [[c["batch"], "on" if c["overlap"] else "off", *(f"{c.get(k, math.nan):.3f}" for k in keys)]
                  for c in cells]))
-    profile = profile_steps(engines[False], make_prompts(most, args.input_len, vocab, args.seed), 32) \
+    profile = profile_steps(engines[False], make_prompts(most, args.input_len, vocab, args.seed), args.output_len) \
         if args.profile else None
     for on in engines.values():
         on.close()

@@ -1,7 +1,8 @@
 """Decode steps as CUDA graphs: one captured forward per batch size, replayed.
 
 On a GPU the op-by-op forward is bound by the host: a decode step of the default model (30
-layers) launches about 1,200 kernels, 25 ms of host time around 2.7 ms of kernels (docs/gpu.md).
+layers) launches about 1,000 kernels, 25–45 ms of host time around a few ms of kernels
+(docs/gpu.md).
 A graph records those launches once and replays them with one call.
 
 A graph reads fixed addresses, so what changes between steps lives in buffers the graph owns
