@@ -8,10 +8,12 @@ after a cached prefix needs. The kernels take bfloat16 and head_dim 64 or 128 (c
 the backend is chosen for bfloat16; per call for the head size: another head size runs the
 reference, with a warning once).
 
-Every layer of a step passes the same block tables and lengths, so what the decode launches read
-besides the cache (int32 lengths and tables on the device, the split count) is built once per
-step (`decode_inputs`), and the lengths go to the device without waiting for the stream: a
-blocking copy made the host wait for the GPU once per layer (docs/gpu.md).
+Every layer of a step passes the same block tables and lengths, so what the launches read
+besides the cache is built once per step, by its first layer: for decode the int32 lengths and
+tables and the split count (`decode_inputs`); for prefill the offsets and one flat list of every
+sequence's cache slots, from which each layer gathers its K and V with one index_select each
+(`prefill_inputs`). Their copies to the device never wait for the stream: a blocking copy made
+the host wait for the GPU once per layer (docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import cuda_lib
-from .attention import gather_kv, paged_attention
+from .attention import paged_attention
 
 from .dispatch import Availability
 
@@ -65,12 +67,10 @@ def paged_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if num_seqs and query_start_loc[-1] == num_seqs:  # one query per sequence: paged decode
         step = decode_inputs(block_tables, context_lens, k_cache.shape[2], q.shape[1] // k_cache.shape[2])
         return cuda_lib.attn_decode(q, k_cache, v_cache, step.tables, step.lens, scale, num_splits=step.splits)
-    k = torch.cat([gather_kv(k_cache, block_tables[i], n) for i, n in enumerate(context_lens)])
-    v = torch.cat([gather_kv(v_cache, block_tables[i], n) for i, n in enumerate(context_lens)])
-    cu_q = torch.tensor(query_start_loc, dtype=torch.int32, device=dev)
-    cu_k = torch.tensor([0, *context_lens], dtype=torch.int32, device=dev).cumsum(0, dtype=torch.int32)
-    max_q = max(b - a for a, b in zip(query_start_loc, query_start_loc[1:]))
-    return cuda_lib.attn_prefill(q, k.contiguous(), v.contiguous(), cu_q, cu_k, max_q, scale, causal=True)
+    step = prefill_inputs(block_tables, query_start_loc, context_lens, k_cache.shape[1])
+    k = k_cache.flatten(0, 1).index_select(0, step.slots)  # every sequence's context, one after another
+    v = v_cache.flatten(0, 1).index_select(0, step.slots)
+    return cuda_lib.attn_prefill(q, k, v, step.cu_q, step.cu_k, step.max_q, scale, causal=True)
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,47 @@ def decode_inputs(block_tables: torch.Tensor, context_lens: list[int], num_kv_he
     num_sms = _num_sms(dev.index or 0) if dev.type == "cuda" else 1
     splits = cuda_lib.default_decode_splits(len(context_lens), num_kv_heads, group, max(context_lens), num_sms)
     return DecodeInputs(memo[2], memo[3], splits)
+
+
+@dataclass(frozen=True)
+class PrefillInputs:
+    """What a step's varlen prefill launches read besides the cache, the same for every layer."""
+
+    slots: torch.Tensor  # int64 [sum of context lengths]: each sequence's cache slots, in order
+    cu_q: torch.Tensor   # int32 [num_seqs + 1]: where each sequence's queries start
+    cu_k: torch.Tensor   # int32 [num_seqs + 1]: where each sequence's gathered keys start
+    max_q: int
+
+
+# (block tables, query starts, lengths, inputs) of the step being computed
+_prefill_memo: tuple[torch.Tensor, list[int], list[int], PrefillInputs] | None = None
+
+
+def prefill_inputs(block_tables: torch.Tensor, query_start_loc: list[int], context_lens: list[int],
+                   block_size: int) -> PrefillInputs:
+    """The step's PrefillInputs, made by its first layer and reused by the others: then each
+    layer gathers its K and V with one index_select each instead of one gather a sequence,
+    and no layer waits on a blocking copy of the offsets."""
+    global _prefill_memo
+    memo = _prefill_memo
+    if memo is not None and memo[0] is block_tables and memo[1] == query_start_loc and memo[2] == context_lens:
+        return memo[3]
+    dev, total = block_tables.device, sum(context_lens)
+    starts = [0]
+    for n in context_lens:
+        starts.append(starts[-1] + n)
+    # the copies never wait: CUDA stages the pageable bytes before returning
+    lens = torch.tensor(context_lens, dtype=torch.int64).to(dev, non_blocking=True)
+    firsts = torch.tensor(starts[:-1], dtype=torch.int64).to(dev, non_blocking=True)
+    seq = torch.repeat_interleave(torch.arange(len(context_lens), device=dev), lens, output_size=total)
+    pos = torch.arange(total, device=dev) - firsts[seq]  # position within its sequence
+    slots = block_tables[seq, pos // block_size].to(torch.int64) * block_size + pos % block_size
+    offsets = torch.tensor(query_start_loc + starts, dtype=torch.int32).to(dev, non_blocking=True)
+    n = len(query_start_loc)
+    step = PrefillInputs(slots, offsets[:n], offsets[n:],
+                         max(b - a for a, b in zip(query_start_loc, query_start_loc[1:])))
+    _prefill_memo = (block_tables, list(query_start_loc), list(context_lens), step)
+    return step
 
 
 def use_decode_inputs(block_tables: torch.Tensor, context_lens: list[int], tables: torch.Tensor,
