@@ -151,15 +151,25 @@ def check_kv_pool(cfg: dict, s: Settings) -> None:
 
 def check_port(host: str, port: int) -> None:
     """The port can be bound now (as uvicorn binds it: SO_REUSEADDR)."""
+    bind_port(host, port).close()
+
+
+def bind_port(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (SO_REUSEADDR, as uvicorn binds), not yet listening: a
+    worker holds its port from its first second and hands the socket to its server once the
+    model has loaded, so no process started beside it (its own ranks included) can pick that
+    port meanwhile. ConfigError when it cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as e:
-            if e.errno == errno.EADDRINUSE:
-                raise ConfigError(f"--port {port}: {host}:{port} is already in use by another process") from None
-            raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ConfigError(f"--port {port}: {host}:{port} is already in use by another process") from None
+        raise ConfigError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+    return sock
 
 
 SIZE_UNITS = {"k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30,

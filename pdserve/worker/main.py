@@ -16,7 +16,7 @@ import uvicorn
 from pdserve.engine.config import ContextDoesNotFit
 from pdserve.logs import about, setup_logging
 from pdserve.model_name import served_name
-from pdserve.preflight import ConfigError, Settings, check
+from pdserve.preflight import ConfigError, Settings, bind_port, check
 from pdserve.quiet_server import QuietServer
 
 from .faults import FaultPlan
@@ -130,6 +130,11 @@ def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
         from .follower import run_follower
 
         leave(run_follower(settings, engine_config, args.host, args.port))
+    try:  # held from now on: loading the model and starting the ranks takes seconds
+        sock = bind_port(args.host, args.port)
+    except ConfigError as e:
+        print(f"pdserve {getattr(args, 'command', role)}: error: {e}", file=sys.stderr)
+        return 2
     model_name, _ = served_name(args.model, args.served_model_name)
     server: uvicorn.Server | None = None
 
@@ -155,7 +160,7 @@ def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
     logger.info("%s worker %s (tp=%d, %d node(s)) listening on http://%s:%d", role, worker.settings.worker_id,
                 settings.tp, settings.nnodes, args.host, args.port)
     try:
-        server.run()
+        server.run(sockets=[sock])
     finally:
         if worker.error is not None:  # a rank died or diverged: the others wait in a collective
             for rank in worker.ranks:  # that can never complete; stopping them gently takes 10 s each

@@ -163,6 +163,21 @@ def test_a_missing_model_a_busy_port_and_a_pool_without_a_block_are_one_line(tmp
         check(Settings(model=_model(tmp_path), kv_cache_memory=16 << 20, max_model_len=8192))
 
 
+def test_a_bound_port_is_held_from_anyone_who_picks_a_free_port():
+    from pdserve.ports import free_port
+    from pdserve.preflight import bind_port
+
+    port = free_port()
+    held = bind_port("127.0.0.1", port)
+    try:  # what free_port tries (and gloo's and NIXL's own binds): refused while the worker holds it
+        with socket.socket() as s, pytest.raises(OSError):
+            s.bind(("127.0.0.1", port))
+    finally:
+        held.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # free again once the holder closes it
+
+
 def test_check_argv_reads_only_what_it_needs(tmp_path):
     model = _model(tmp_path)
     assert check_argv(["--log-level", "INFO", "decode", "--model", model, "--tp", "2"]).startswith(
