@@ -157,8 +157,8 @@ def check_port(host: str, port: int) -> None:
 def bind_port(host: str, port: int) -> socket.socket:
     """A socket bound to host:port (SO_REUSEADDR, as uvicorn binds), not yet listening: a
     worker holds its port from its first second and hands the socket to its server once the
-    model has loaded, so no process started beside it (its own ranks included) can pick that
-    port meanwhile. ConfigError when it cannot be bound."""
+    model has loaded, so no process started beside it can pick that port as a free one
+    meanwhile (a TP rendezvous, its own or a neighbour's). ConfigError when it cannot be bound."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
