@@ -169,7 +169,7 @@ def test_a_bound_port_is_held_from_anyone_who_picks_a_free_port():
 
     port = free_port()
     held = bind_port("127.0.0.1", port)
-    try:  # what free_port tries (and gloo's and NIXL's own binds): refused while the worker holds it
+    try:  # what free_port tries for a TP rendezvous or a worker: refused while a worker holds it
         with socket.socket() as s, pytest.raises(OSError):
             s.bind(("127.0.0.1", port))
     finally:
