@@ -3,7 +3,7 @@
     python bench/offline.py [--batch-sizes 1,8,32,64] [--input-len 64] [--output-len 64]
                             [--threads 1] [--hf-max-batch 64] [--repeats 1] [--out PATH] [--quick]
                             [--kernels auto|torch|native] [--op-bench] [--ab-op NAME]
-                            [--device cpu|cuda] [--overlap]
+                            [--device cpu|cuda] [--no-cuda-graphs] [--overlap [--profile]]
 
 Every batch size runs the same random prompts (fixed length, greedy, every request made to emit
 exactly --output-len tokens) through the engine (all requests added at once, stepped until done)
@@ -280,13 +280,13 @@ def profile_steps(engine, prompts: list[list[int]], output_len: int) -> dict:
             engine.step()
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA") if cuda else 0.0
-    syncs = {e.key: e.count / steps for e in events if e.key.startswith(SYNC_EVENTS)}
+    per = max(steps, 1)
+    syncs = {e.key: e.count / per for e in events if e.key.startswith(SYNC_EVENTS)}
     launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC"))
-    out = {"steps": steps, "host_ms_per_step": 1e3 * wall / max(steps, 1),
-           "device_ms_per_step": device_us / 1e3 / max(steps, 1), "launches_per_step": launches / max(steps, 1),
-           "syncs_per_step": syncs,
-           "top_ops": [{"op": e.key, "count_per_step": e.count / steps, "self_host_ms_per_step":
-                        e.self_cpu_time_total / 1e3 / steps} for e in
+    out = {"steps": steps, "host_ms_per_step": 1e3 * wall / per, "device_ms_per_step": device_us / 1e3 / per,
+           "launches_per_step": launches / per, "syncs_per_step": syncs,
+           "top_ops": [{"op": e.key, "count_per_step": e.count / per, "self_host_ms_per_step":
+                        e.self_cpu_time_total / 1e3 / per} for e in
                        sorted(events, key=lambda e: -e.self_cpu_time_total)[:25]]}
     print(f"\nprofile: {len(prompts)} streams, {steps} decode steps (profiler on: times include its cost)")
     print(f"per step: {out['host_ms_per_step']:.2f} ms host wall, {out['device_ms_per_step']:.2f} ms of kernels, "
