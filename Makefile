@@ -61,11 +61,13 @@ soak: setup
 
 # Chaos (bench/chaos.py, docs/supervision.md): a load against `pdserve serve` while its processes
 # are killed and paused at random for CHAOS_S seconds; then: every request succeeded or failed with
-# an error object, serve healed, nothing leaked. Not part of `make test`.
+# an error object, serve healed, nothing leaked. Not part of `make test`. CHAOS_ARGS: more flags,
+# e.g. the prefix-cache load of docs/supervision.md.
 CHAOS_S ?= 1800
+CHAOS_ARGS ?=
 .PHONY: chaos
 chaos: setup
-	$(PY) bench/chaos.py --duration $(CHAOS_S) --out bench/results/chaos-$(CHAOS_S)s.json
+	$(PY) bench/chaos.py --duration $(CHAOS_S) $(CHAOS_ARGS) --out bench/results/chaos-$(CHAOS_S)s.json
 
 # The overlapped lockstep harness (tests/scheduler/test_lockstep_overlap.py) at 10,000 steps; `make
 # test` runs 2,000 of them (an overlapped step costs ~8 ms on 2 busy cores).

@@ -7,7 +7,8 @@ process drawn from the server's tree: SIGKILL of a worker's rank 0 or of a follo
 supervisor restarts the whole worker), or SIGSTOP for 1–5 s then SIGCONT of any process, the
 router included (the router itself is never killed: nothing above it would restart it).
 
-Checks:
+Checks (the summary also sums the workers' prefix-cache counters over the run: tokens found
+in the cache, of them in host memory, and blocks evicted):
 
 * every request either succeeded or failed with an OpenAI error object (a JSON error body, or
   an SSE error event as a stream's last event): never a cut connection, never a stream that
@@ -16,6 +17,15 @@ Checks:
 * every worker idle with every KV block free and no room live.
 
     python bench/chaos.py --duration 300 --tp 1    # starts its own `pdserve serve`
+
+With `--system-words N` every request starts with one shared system prompt of N words and
+continues one of a few conversations, so the prefix cache serves hits (on both workers: the decode
+worker keeps what it received) while the faults land; `--serve-arg` passes flags to `serve`, for
+instance a small pool with a host tier behind it, and `--system-prompts K` draws from K system
+prompts, more than the pool holds, so that blocks also move between the tiers:
+
+    python bench/chaos.py --system-words 600 --system-prompts 3 --serve-arg=--kv-cache-memory=64MiB \
+        --serve-arg=--host-cache-memory=256MiB
 
 Exit status 0 when every check passed; the summary is printed as JSON (and --out FILE).
 """
@@ -29,6 +39,7 @@ import random
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,16 +64,36 @@ class Tally:
         self.errors[str(status)] = self.errors.get(str(status), 0) + 1
 
 
-def body(rng: random.Random, stream: bool) -> dict:
-    return {"model": MODEL, "messages": [{"role": "user", "content": f"Tell me about {rng.choice(['rain', 'bread', 'a robot'])}."}],
-            "max_tokens": rng.choice([8, 32, 96]), "ignore_eos": True, "stream": stream}
+TOPICS = ["rain", "bread", "a robot"]
 
 
-async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally) -> None:
+def system_prompts(words: int, count: int) -> list[str]:
+    """`count` system prompts of `words` words, the same in every run (none for 0 words)."""
+    vocab = ["agent", "tool", "file", "search", "result", "plan", "step", "answer", "check", "user"]
+    if words <= 0:
+        return [""]
+    rngs = [random.Random(1234 + i) for i in range(count)]
+    return [" ".join(rng.choice(vocab) for _ in range(words)) for rng in rngs]
+
+
+def body(rng: random.Random, stream: bool, systems: Sequence[str] = ("",)) -> dict:
+    """A short question; with a system prompt, also one of a few earlier exchanges before it, so
+    requests share the system prompt's blocks and some share a conversation's too."""
+    messages = [{"role": "user", "content": f"Tell me about {rng.choice(TOPICS)}."}]
+    system = rng.choice(systems)
+    if system:
+        earlier = [{"role": "user", "content": f"Tell me about {t}."} for t in TOPICS[:rng.randrange(len(TOPICS))]]
+        history = [m for u in earlier for m in (u, {"role": "assistant", "content": f"Here is what I know: {u['content']}"})]
+        messages = [{"role": "system", "content": system}, *history, *messages]
+    return {"model": MODEL, "messages": messages, "max_tokens": rng.choice([8, 32, 96]), "ignore_eos": True,
+            "stream": stream}
+
+
+async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally, systems: Sequence[str]) -> None:
     stream = rng.random() < 0.7
     try:
         if not stream:
-            r = await http.post(CHAT, json=body(rng, False))
+            r = await http.post(CHAT, json=body(rng, False, systems))
             if r.status_code == 200:
                 tally.ok += 1
             elif "error" in _json(r.text):
@@ -70,7 +101,7 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally)
             else:
                 tally.unexpected.append(f"HTTP {r.status_code} without an error object: {r.text[:120]!r}")
             return
-        async with http.stream("POST", CHAT, json=body(rng, True)) as r:
+        async with http.stream("POST", CHAT, json=body(rng, True, systems)) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 if "error" in _json(text):
@@ -102,14 +133,39 @@ def _json(text: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-async def load(url: str, until: float, clients: int, seed: int, tally: Tally) -> None:
+async def load(url: str, until: float, clients: int, seed: int, tally: Tally, systems: Sequence[str]) -> None:
     async def client(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
         async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300.0), trust_env=False) as http:
             while time.monotonic() < until:
-                await one_request(http, rng, tally)
+                await one_request(http, rng, tally, systems)
 
     await asyncio.gather(*(client(i) for i in range(clients)))
+
+
+CACHE_COUNTERS = {"hit_tokens": "pdserve:prefix_cache_hits_total",
+                  "host_hit_tokens": "pdserve:prefix_cache_host_hits_total",
+                  "evicted_blocks": "pdserve:prefix_cache_evictions_total"}
+
+
+async def cache_counts(url: str, until: float, totals: dict[str, int]) -> None:
+    """Sum each worker's prefix-cache counters over the run, across its restarts (a restarted
+    worker counts from 0 again), so the summary shows the cache was in use while faults landed."""
+    last: dict[tuple[str, str], int] = {}
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
+        while time.monotonic() < until:
+            await asyncio.sleep(2.0)
+            try:
+                workers = (await http.get(url + "/health")).json()["workers"]
+                texts = {w["url"]: (await http.get(w["url"] + "/metrics")).text for w in workers}
+            except (httpx.HTTPError, ValueError, KeyError):
+                continue  # a worker restarting or paused: its counts are taken at the next sample
+            for worker, text in texts.items():
+                for key, name in CACHE_COUNTERS.items():
+                    value = int(sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name)))
+                    before = last.get((worker, key), 0)
+                    totals[key] = totals.get(key, 0) + (value - before if value >= before else value)
+                    last[worker, key] = value
 
 
 def victims(serve_pid: int) -> list[tuple[int, str]]:
@@ -152,10 +208,11 @@ async def faults(serve_pid: int, until: float, every_s: float, seed: int, tally:
         print(f"chaos: {tally.faults[-1]}", file=sys.stderr, flush=True)
 
 
-async def run(url: str, serve_pid: int, args: argparse.Namespace, tally: Tally) -> None:
+async def run(url: str, serve_pid: int, args: argparse.Namespace, tally: Tally, cache: dict[str, int]) -> None:
     until = time.monotonic() + args.duration
-    await asyncio.gather(load(url, until, args.clients, args.seed, tally),
-                         faults(serve_pid, until, args.every, args.seed, tally))
+    await asyncio.gather(load(url, until, args.clients, args.seed, tally,
+                              system_prompts(args.system_words, args.system_prompts)),
+                         faults(serve_pid, until, args.every, args.seed, tally), cache_counts(url, until, cache))
 
 
 def serves_again(url: str, timeout_s: float) -> float | None:
@@ -181,6 +238,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tp", type=int, default=1, help="TP ranks per worker (the default model: 1 or 3)")
     p.add_argument("--port", type=int, default=8766)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--system-words", type=int, default=0,
+                   help="a shared system prompt of this many words before every request (0: none)")
+    p.add_argument("--system-prompts", type=int, default=1,
+                   help="how many different system prompts the requests draw from (more than the pool holds: "
+                        "evicted prefixes come back, from the host tier when there is one)")
+    p.add_argument("--serve-arg", action="append", default=[], help="a flag for `pdserve serve` (repeatable)")
     p.add_argument("--log", type=Path, default=None, help="the server's output (default: discarded)")
     p.add_argument("--out", type=Path, default=None, help="write the summary JSON here too")
     args = p.parse_args(argv)
@@ -188,17 +251,19 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{args.port}"
     # a fault may come while a worker restarts: no crash-loop verdict for faults we cause
     proc = start_serve(args.port, args.tp, ["--threads", "1", "--restart-max", "1000",
-                                            "--worker-arg=--router-lease=30"], args.log)
+                                            "--worker-arg=--router-lease=30", *args.serve_arg], args.log)
     tally = Tally()
     summary: dict = {}
     try:
         wait_ready(url, proc, 600)
         started = time.monotonic()
-        asyncio.run(run(url, proc.pid, args, tally))
+        cache: dict[str, int] = {}
+        asyncio.run(run(url, proc.pid, args, tally, cache))
         healed = serves_again(url, HEAL_S)
         idle, loads = workers_idle(url, None, 60)
         summary = {
             "duration_s": round(time.monotonic() - started), "tp": args.tp, "clients": args.clients,
+            "system_words": args.system_words, "serve_args": args.serve_arg, "prefix_cache": cache, "system_prompts": args.system_prompts,
             "faults": len(tally.faults), "fault_list": tally.faults,
             "ok": tally.ok, "failed_with_error_object": tally.errors, "unexpected": tally.unexpected[:50],
             "unexpected_count": len(tally.unexpected), "serve_running": proc.poll() is None,
