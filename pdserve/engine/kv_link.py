@@ -72,7 +72,7 @@ class KVLink:
             elif isinstance(ev, RoomWritten):
                 out.append(TransferOutcome(ev.room, TransferKind.WRITTEN))
             elif isinstance(ev, RoomFailed):
-                out.append(failed(ev.room, ev.reason))
+                out.append(failed(ev.room, ev.reason, ev.peer_dead))
             elif isinstance(ev, RoomAborted):
                 out.append(failed(ev.room, "aborted by the peer worker"))
             elif isinstance(ev, Fenced):
@@ -138,8 +138,8 @@ def _by_reason(pairs) -> dict[str, list[str]]:
     return out
 
 
-def failed(rid: str, error: str) -> TransferOutcome:
-    return TransferOutcome(rid, TransferKind.FAILED, error=error)
+def failed(rid: str, error: str, peer_dead: bool = False) -> TransferOutcome:
+    return TransferOutcome(rid, TransferKind.FAILED, error=error, peer_dead=peer_dead)
 
 
 def failed_and_fenced(rid: str, error: str) -> list[TransferOutcome]:

@@ -33,7 +33,7 @@ from pdserve.frontend.errors import APIError, internal, invalid, unavailable
 from pdserve.frontend.output import OutputDecoder, OutputDelta
 from pdserve.frontend.worker_client import WorkerClient, WorkerError
 from pdserve.frontend.workers import Route, WorkerPool
-from pdserve.worker_api import (DecodeTarget, FinishReason, GenerateRequest, PrefillRequest, Room, RoomLine,
+from pdserve.worker_api import (DecodeTarget, ErrorCode, FinishReason, GenerateRequest, PrefillRequest, Room, RoomLine,
                                 SamplingParams, TokenLine, TokenLogprob)
 
 logger = logging.getLogger(__name__)
@@ -256,7 +256,10 @@ class ChoiceRun:
         except WorkerError as e:
             if e.code is not None and e.code.prefill_failure:
                 logger.warning("[%s] prefill on %s reported failure: %s", self.rid, url, e.message)
-                self.fail(internal(f"prefill failed: {e.message}"))
+                # the decode worker gone (unreachable, or died under the transfer): a worker died
+                # under the request, as when its stream breaks, so 503 and the client may retry
+                gone = e.code is ErrorCode.DECODE_UNREACHABLE
+                self.fail((unavailable if gone else internal)(f"prefill failed: {e.message}"))
             else:
                 logger.warning("[%s] prefill on %s failed: %s", self.rid, url, e.message)
                 self.fail(invalid(e.message) if e.status == 400 else unavailable(e.message))

@@ -90,6 +90,7 @@ class _RoomReports:
     kinds: dict[int, set[TransferKind]] = field(default_factory=dict)
     token: SampledToken | None = None  # rank 0's: only rank 0 samples
     error: str | None = None           # the first failure's
+    peer_dead: bool = False            # some rank's failure: the other worker died
     failed: bool = False               # FAILED was agreed (once)
 
 
@@ -116,8 +117,12 @@ class TransferAgreement:
                 room.kinds.setdefault(obs.rank, set()).add(t.kind)
                 if t.kind is TransferKind.ARRIVED and obs.rank == 0:
                     room.token = t.token
-                if t.kind is TransferKind.FAILED and room.error is None:
-                    room.error = f"rank {obs.rank}: {t.error}"
+                if t.kind is TransferKind.FAILED:
+                    # a dead peer also fails a room's pending write locally, untyped: any typed
+                    # report before the decision says why
+                    room.peer_dead |= t.peer_dead
+                    if room.error is None:
+                        room.error = f"rank {obs.rank}: {t.error}"
                 touched.append(t.request_id)
         for rid in dict.fromkeys(touched):
             out += self._decide(rid)
@@ -129,7 +134,7 @@ class TransferAgreement:
         out = []
         if not room.failed and any(TransferKind.FAILED in k for k in kinds):
             room.failed = True
-            out.append(TransferOutcome(rid, TransferKind.FAILED, error=room.error))
+            out.append(TransferOutcome(rid, TransferKind.FAILED, error=room.error, peer_dead=room.peer_dead))
         if room.failed or any(TransferKind.FENCED in k for k in kinds):
             if all(k & _LAST_WORDS for k in kinds):  # nothing can write on any rank any more
                 out.append(TransferOutcome(rid, TransferKind.FENCED))

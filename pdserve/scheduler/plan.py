@@ -81,12 +81,14 @@ class TransferKind(Enum):
 @dataclass
 class TransferOutcome:
     """A room's transfer result: per rank in an observation, agreed across ranks in a plan.
-    `token` comes with ARRIVED, `error` with FAILED."""
+    `token` comes with ARRIVED, `error` with FAILED, and `peer_dead` when it failed because the
+    other worker's process is gone."""
 
     request_id: str
     kind: TransferKind
     token: SampledToken | None = None
     error: str | None = None
+    peer_dead: bool = False
 
 
 @dataclass
@@ -134,6 +136,7 @@ class StepOutput:
     logprobs: TokenLogprobs | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    peer_dead: bool = False  # with an ERROR finish: its KV transfer failed because the other worker died
     room_blocks: list[int] | None = None  # decode: the room's blocks for the KV to be written
     room_cached: int = 0  # decode: the prompt's leading blocks its cache holds (before room_blocks)
     cached_tokens: int | None = None  # with the finish: prompt tokens this worker took from its cache

@@ -425,7 +425,8 @@ class Scheduler:
         for t in plan.transfers:
             seq = self.held.get(t.request_id)
             if seq is not None:  # else: the room is not ours (any more): a late or duplicate outcome
-                self._move_held(seq, HeldEvent.of(t.kind), outputs, token=t.token, error=t.error)
+                self._move_held(seq, HeldEvent.of(t.kind), outputs, token=t.token, error=t.error,
+                                peer_dead=t.peer_dead)
         for rid, reason in plan.aborted:
             seq = self.held.get(rid)
             if seq is not None:
@@ -566,7 +567,7 @@ class Scheduler:
         return out
 
     def _move_held(self, seq: Sequence, event: HeldEvent, outputs: list[StepOutput], *,
-                   token: SampledToken | None = None, error: str | None = None,
+                   token: SampledToken | None = None, error: str | None = None, peer_dead: bool = False,
                    reason: FinishReason = FinishReason.ABORT) -> None:
         """Move a held request by the lifecycle table: its blocks, its queue, its report."""
         move = held_step(seq.status, event)
@@ -585,6 +586,7 @@ class Scheduler:
             seq.finish_reason = reason if event is HeldEvent.ABORT else move.finish
             why = f"KV transfer failed: {error}" if event is HeldEvent.FAILED else None
             outputs.append(StepOutput(seq.request_id, finish_reason=seq.finish_reason, error=why,
+                                      peer_dead=peer_dead and event is HeldEvent.FAILED,
                                       cached_tokens=seq.cached_tokens))
         if move.status is not SequenceStatus.RUNNING:  # ended: only a hold may keep it
             self.seqs.pop(seq.request_id, None)

@@ -26,10 +26,12 @@ class RoomWritten:
 
 @dataclass(frozen=True)
 class RoomFailed:
-    """The room ended FAILED. Its blocks are reusable only after `Fenced`."""
+    """The room ended FAILED. Its blocks are reusable only after `Fenced`. `peer_dead`: because
+    the other worker's process is gone, not for a fault of this room (the router answers 503)."""
 
     room: str
     reason: str
+    peer_dead: bool = False
 
 
 @dataclass(frozen=True)

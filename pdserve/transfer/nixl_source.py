@@ -52,6 +52,9 @@ class NixlSource(TransferSource):
         self.rooms = RoomTable(c.clock, tombstone_ttl_s=c.tombstone_ttl_s,
                                fence_lease_s=c.fence_lease_s, room_lease_s=c.room_lease_s)
         self._peers: dict[str, _Peer] = {}
+        # target → the incarnation of it seen dead: a room admitted with that process's cached
+        # bootstrap, which cannot connect, fails as a dead peer's (typed)
+        self._dead: dict[str, str] = {}
         self._inflight: dict[str, XferHandle] = {}
         self._events: list[SourceEvent] = []
         self.counters: Counter[str] = Counter()
@@ -65,12 +68,18 @@ class NixlSource(TransferSource):
             return info.agent
         if old is not None:
             self._peer_dead(info.agent, "restarted")
-        self._ep.add_peer(info.agent, info.metadata, info.layout)
         try:
-            self._ep.send(info.agent, self._hello)
+            self._ep.add_peer(info.agent, info.metadata, info.layout)
+            try:
+                self._ep.send(info.agent, self._hello)
+            except TransportError:
+                self._ep.remove_peer(info.agent)
+                raise
         except TransportError:
-            self._ep.remove_peer(info.agent)
+            if self._dead.get(info.agent) == info.incarnation:
+                return info.agent  # still dead, not connected: `write` fails its rooms as a dead peer's
             raise
+        self._dead.pop(info.agent, None)  # it answers: alive after all (paused, not dead)
         self._peers[info.agent] = _Peer(info.agent, info.incarnation, info.layout)
         return info.agent
 
@@ -80,6 +89,9 @@ class NixlSource(TransferSource):
             return False
         p = self._peers.get(peer)
         problem = ""
+        if p is None and peer in self._dead:
+            self._fail(room, f"target {peer} dead", peer_dead=True)
+            return True
         if p is None:
             problem = f"not connected to {peer}"
         elif len(src_blocks) != len(dst_blocks):
@@ -123,7 +135,7 @@ class NixlSource(TransferSource):
             if handle is not None:  # its target is dead: nothing of this write can land any more
                 handle.release()
             if self.rooms.gone(room, reason):
-                self._events.append(RoomFailed(room, f"the decode worker is dead: {reason}"))
+                self._events.append(RoomFailed(room, f"the decode worker is dead: {reason}", peer_dead=True))
 
     def forget_peer(self, peer: str) -> None:
         # Tell it first, in case it is alive after all: its rooms fail, idle ones are fenced.
@@ -131,6 +143,7 @@ class NixlSource(TransferSource):
             if rec.peer == peer and not rec.state.terminal:
                 self._fail(rec.id, "peer forgotten")
         self._peer_dead(peer, "forgotten")
+        self._dead.pop(peer, None)  # dropped, not seen dead: it may be connected again
 
     def poll(self) -> list[SourceEvent]:
         for room, handle in list(self._inflight.items()):
@@ -187,15 +200,15 @@ class NixlSource(TransferSource):
         self.rooms.apply(room, RoomEvent.COMPLETE)
         self._events.append(RoomWritten(room, peer))
 
-    def _fail(self, room: str, reason: str) -> None:
+    def _fail(self, room: str, reason: str, peer_dead: bool = False) -> None:
         if self.rooms.apply(room, RoomEvent.FAIL, reason=reason) is Outcome.APPLIED:
-            self._after_failure(room, reason)
+            self._after_failure(room, reason, peer_dead)
         else:
             self._fence_if_idle(room)
 
-    def _after_failure(self, room: str, reason: str) -> None:
+    def _after_failure(self, room: str, reason: str, peer_dead: bool = False) -> None:
         """A room failed here: report it, tell the target, fence it if no write is in flight."""
-        self._events.append(RoomFailed(room, reason))
+        self._events.append(RoomFailed(room, reason, peer_dead))
         logger.warning("%s: room %s failed: %s", self.name, room, reason, extra=about(room))
         rec = self.rooms.get(room)
         if rec is not None and rec.peer is not None:
@@ -244,14 +257,17 @@ class NixlSource(TransferSource):
         return send_message(self._ep, peer, msg, self._peer_dead, self.counters, self.name)
 
     def _peer_dead(self, peer: str, reason: str) -> None:
-        known = self._peers.pop(peer, None) is not None
+        gone = self._peers.pop(peer, None)
+        known = gone is not None
+        if gone is not None:
+            self._dead[peer] = gone.incarnation
         for room, handle in list(self._inflight.items()):
             if handle.peer == peer:  # the peer is gone: nothing of these writes can land
                 del self._inflight[room]
                 handle.release()
         self._ep.remove_peer(peer)
         for room in self.rooms.peer_dead(peer, reason):
-            self._events.append(RoomFailed(room, f"target {peer} dead: {reason}"))
+            self._events.append(RoomFailed(room, f"target {peer} dead: {reason}", peer_dead=True))
         if known:
             self._events.append(PeerDead(peer, reason))
             logger.warning("%s: target %s dead: %s", self.name, peer, reason)

@@ -56,7 +56,7 @@ class NixlTarget(TransferTarget):
     def peer_gone(self, rooms: Sequence[str], reason: str) -> None:
         for room in rooms:
             if self.rooms.gone(room, reason):
-                self._events.append(RoomFailed(room, f"the prefill worker is dead: {reason}"))
+                self._events.append(RoomFailed(room, f"the prefill worker is dead: {reason}", peer_dead=True))
 
     def send_control(self, peer: str, msg: Message) -> bool:
         if peer not in self._sources:
@@ -175,6 +175,6 @@ class NixlTarget(TransferTarget):
         self._last_ping.pop(peer, None)
         self._ep.remove_peer(peer)
         for room in self.rooms.peer_dead(peer, reason):
-            self._events.append(RoomFailed(room, f"source {peer} dead: {reason}"))
+            self._events.append(RoomFailed(room, f"source {peer} dead: {reason}", peer_dead=True))
         self._events.append(PeerDead(peer, reason))
         logger.warning("%s: source %s dead: %s", self.name, peer, reason)

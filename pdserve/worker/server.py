@@ -294,6 +294,8 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
                     done = True
                     if out.finish_reason is Ended.ERROR:  # the decode worker may have restarted
                         bootstraps.pop(body.decode.worker_id, None)
+                        if out.peer_dead:  # not this prefill's fault: the decode worker is gone
+                            return error(ErrorCode.DECODE_UNREACHABLE, out.error or "the decode worker died")
                         return error(ErrorCode.PREFILL_FAILED, out.error or "the prefill failed")
                     return error(ErrorCode.ABORTED, out.error or "aborted")
         finally:

@@ -206,6 +206,24 @@ def test_a_failed_prefill_is_a_500_naming_it_and_aborts_the_room_on_both_workers
         run_with_router(config, tokenizer, scenario)
 
 
+def test_a_prefill_whose_decode_worker_died_is_a_503_the_client_may_retry(default_model_dir, tokenizer):
+    """The decode worker died under the KV transfer (or never answered /bootstrap): a worker
+    died under the request, as when its stream breaks, not a fault of the prefill."""
+    with FakeWorker("prefill") as prefill, FakeWorker("decode") as decode:
+        prefill.prefill_error = api.ErrorCode.DECODE_UNREACHABLE
+        config = ops_config(default_model_dir, prefill_urls=[prefill.url], decode_urls=[decode.url])
+
+        async def scenario(http: httpx.AsyncClient, router) -> None:
+            r = await http.post(CHAT, json=chat(max_tokens=1000), headers={"X-Request-Id": "pf-2"})
+            assert r.status_code == 503, r.text
+            assert r.headers["retry-after"]
+            assert r.json()["error"]["message"].startswith("prefill failed: ")
+            await wait_until(lambda: decode.aborts and prefill.aborts, 3, "the aborts to reach both workers")
+            assert decode.aborts == prefill.aborts == [{"request_id": "pf-2", "origin": "peer"}]
+
+        run_with_router(config, tokenizer, scenario)
+
+
 def test_health_fails_when_the_event_loop_stalls(default_model_dir, tokenizer):
     with FakeWorker("both") as worker:
         config = ops_config(default_model_dir, worker_urls=[worker.url], loop_stall_s=0.5)

@@ -10,6 +10,7 @@ from pdserve.engine.sequence import FinishReason, KVRole, SequenceStatus
 from pdserve.kvcache import BlockAllocator
 from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig
 from pdserve.scheduler.lifecycle import HeldEvent, step
+from pdserve.scheduler.lockstep import Observation, TransferAgreement
 from pdserve.scheduler.plan import KVPeer, SampledToken, TransferKind, TransferOutcome
 
 S = SequenceStatus
@@ -81,3 +82,25 @@ def test_a_sending_prefill_request_ends_by_the_table(kind):
     if kind is TransferKind.FAILED:
         s.apply(s.plan(3, Inbox(), [], [TransferOutcome("p", TransferKind.FENCED)]))
     assert s.allocator.num_used == 0 and not s.has_work()
+
+
+@pytest.mark.parametrize("peer_dead", [False, True])
+def test_a_transfer_that_failed_because_the_peer_died_says_so_in_its_output(peer_dead):
+    """The /prefill call answers by this flag: the decode worker gone (the router's 503), or a
+    failure of the prefill itself (500)."""
+    s = Scheduler(SchedulerConfig(block_size=4, max_model_len=64), BlockAllocator(8))
+    req = NewRequest("p", list(range(10, 19)), SamplingParams(temperature=0), kv=KVRole.PREFILL,
+                     peer=KVPeer("d", ("boot",), (0, 1, 2)))
+    s.apply(s.plan(0, Inbox(new=[req]), []))
+    s.apply(s.plan(1, Inbox(), [SampledToken("p", 5)]))
+    failed = TransferOutcome("p", TransferKind.FAILED, error="target gone", peer_dead=peer_dead)
+    outputs, _ = s.apply(s.plan(2, Inbox(), [], [failed]))
+    assert [(o.finish_reason, o.peer_dead) for o in outputs] == [(FinishReason.ERROR, peer_dead)]
+    assert outputs[0].error == "KV transfer failed: target gone"
+
+
+def test_the_ranks_agree_on_why_a_room_failed():
+    agree = TransferAgreement(2)
+    assert agree.add([Observation(0, [TransferOutcome("r", TransferKind.WRITTEN)])]) == []
+    out = agree.add([Observation(1, [TransferOutcome("r", TransferKind.FAILED, error="x", peer_dead=True)])])
+    assert out == [TransferOutcome("r", TransferKind.FAILED, error="rank 1: x", peer_dead=True)]

@@ -38,12 +38,22 @@ def test_target_killed_mid_transfer(procs) -> None:
 
         ts, failed = source.wait_for(kind("RoomFailed", "kt"), timeout=DETECT_S + 1, since=mark)
         assert ts - killed_at < DETECT_S, f"failure seen {ts - killed_at:.3f}s after the kill"
+        assert failed.peer_dead, failed  # its cause is typed: the router answers 503, not 500
         source.wait_for(kind("PeerDead"), since=mark)
         for room in ("kt", "kt2"):  # the first handle's error drains the second: never used again
             source.wait_for(kind("RoomFailed", room), since=mark)
             source.wait_for(kind("Fenced", room), since=mark)
             assert source.call("state", room) == "failed"
         print(f"target killed: source saw the failure after {1e3 * (ts - killed_at):.0f} ms")
+
+        # A room admitted with the dead process's cached bootstrap (it cannot connect) fails as a
+        # dead peer's.
+        mark = source.mark()
+        assert source.call("connect", victim.info) == name
+        assert source.call("write", "late", name, [7], [7], b"z")
+        _, late = source.wait_for(kind("RoomFailed", "late"), since=mark)
+        assert late.peer_dead, late
+        source.wait_for(kind("Fenced", "late"), since=mark)
 
         # The survivor still serves: the restarted target (same name) reconnects.
         assert source.call("connect", successor.info) == name
@@ -78,8 +88,9 @@ def test_source_killed_mid_transfer(procs) -> None:
         killed_at = victim.kill()
         target.call("pause", False)
 
-        ts, _ = target.wait_for(kind("RoomFailed", "ks-wait"), timeout=DETECT_S + 1, since=mark)
+        ts, failed = target.wait_for(kind("RoomFailed", "ks-wait"), timeout=DETECT_S + 1, since=mark)
         assert ts - killed_at < DETECT_S, f"failure seen {ts - killed_at:.3f}s after the kill"
+        assert failed.peer_dead, failed
         target.wait_for(kind("Fenced", "ks-wait"), since=mark)
         target.wait_for(kind("PeerDead"), since=mark)
         print(f"source killed: target saw the failure after {1e3 * (ts - killed_at):.0f} ms")

@@ -263,7 +263,7 @@ def test_a_dead_peer_notice_fails_and_fences_the_targets_rooms_at_once() -> None
     target.poll()
     target.peer_gone(["waiting", "aborted", "later"], "killed")
     events = target.poll()
-    assert events == [RoomFailed("waiting", "the prefill worker is dead: killed"),
+    assert events == [RoomFailed("waiting", "the prefill worker is dead: killed", peer_dead=True),
                       Fenced("waiting", "peer dead: killed"), Fenced("aborted", "peer dead: killed")]
     assert target.expect("later", dead) is False  # its tombstone refuses the late allocation
     p.target.peer_gone(["done"], "killed")

@@ -102,8 +102,13 @@ class PDClient:
     """The router's PD flow, done by hand with the contract's messages (pdserve.worker_api):
     decode allocates the room, prefill sends the KV."""
 
-    def __init__(self, prefill: WorkerProc | None, decode: WorkerProc):
+    def __init__(self, prefill: WorkerProc | None, decode: WorkerProc, keep_prefills: bool = False):
         self.prefill, self.decode = prefill, decode
+        # keep_prefills: a /prefill call outlives its decode stream (not cancelled when it breaks);
+        # `prefill_errors` has each failed call's (status, error code)
+        self.keep_prefills = keep_prefills
+        self.prefills: list[asyncio.Task] = []
+        self.prefill_errors: dict[str, tuple[int, str]] = {}
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, pool=None),
                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
@@ -122,12 +127,13 @@ class PDClient:
                     msg = api.parse_line(text)
                     if isinstance(msg, api.RoomLine):  # blocks allocated: prefill writes into them, concurrently
                         prefill_task = asyncio.create_task(self._prefill(body, msg.room))
+                        self.prefills.append(prefill_task)
                         continue
                     tokens += msg.token_ids
                     if msg.finish_reason is not None:
                         return tokens, msg.finish_reason.value, msg.error
         finally:
-            if prefill_task is not None and not prefill_task.done():
+            if prefill_task is not None and not prefill_task.done() and not self.keep_prefills:
                 prefill_task.cancel()
         raise AssertionError("stream ended without a finish_reason")
 
@@ -138,7 +144,11 @@ class PDClient:
         r = await self.http.post(self.prefill.url + "/prefill", headers={"X-Request-Id": req.request_id},
                                  json=body.wire())
         if r.status_code != 200:  # a failed prefill is an error status (ErrorBody)
-            await self.abort(req.request_id)
+            self.prefill_errors[req.request_id] = (r.status_code, r.json()["error"]["code"])
+            try:
+                await self.abort(req.request_id)
+            except httpx.TransportError:  # the decode worker is dead: nothing there to abort
+                pass
 
     async def abort(self, rid: str, origin: str | None = None) -> None:
         body = api.AbortRequest(request_id=rid, **({"origin": origin} if origin else {}))

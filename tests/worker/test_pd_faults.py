@@ -162,7 +162,8 @@ def test_prefill_killed_mid_transfer(default_model_dir, reference, monkeypatch):
 @pytest.mark.timeout(600)
 def test_decode_killed_frees_prefill_blocks(default_model_dir, reference, monkeypatch):
     """Writes in flight when the decode worker dies (its rank does not poll, so none completes;
-    the prefill worker's own gauge shows them): every stream breaks, the prefill worker's
+    the prefill worker's own gauge shows them): every stream breaks, every /prefill call answers
+    that the decode worker is gone (the router's 503, not a prefill fault), the prefill worker's
     writes drain and its blocks come back, and a new decode worker is served."""
     ids, ref = reference
     prefill = start_worker("prefill", default_model_dir, wait=False)
@@ -171,17 +172,21 @@ def test_decode_killed_frees_prefill_blocks(default_model_dir, reference, monkey
     open(stall, "w").close()
     try:
         async def run():
-            c = PDClient(prefill, decode)
+            c = PDClient(prefill, decode, keep_prefills=True)
             tasks = [asyncio.create_task(c.generate(f"d-{i}", ids[i % 8] * 30, {**GREEDY, "max_tokens": 64}))
                      for i in range(6)]
             await until(lambda: _metric_at_least(c, prefill, "kv_writes_in_flight", 1), 120, "a write in flight")
             decode.kill()
             t0 = time.monotonic()
             res = await asyncio.gather(*tasks, return_exceptions=True)
-            return res, time.monotonic() - t0
-        res, latency = asyncio.run(asyncio.wait_for(run(), 300))
+            latency = time.monotonic() - t0
+            await asyncio.gather(*c.prefills)
+            return res, latency, c.prefill_errors, len(c.prefills)
+        res, latency, prefill_errors, prefills = asyncio.run(asyncio.wait_for(run(), 300))
         assert all(isinstance(r, httpx.TransportError) for r in res), res  # the decode stream broke
         assert latency < 2.0
+        assert prefills and prefill_errors == {rid: (502, "decode_unreachable") for rid in prefill_errors} \
+            and len(prefill_errors) == prefills, prefill_errors
         wait_for(lambda: pool_full(prefill), 40, "prefill blocks released")
         wait_for(lambda: re.search(r"^pdserve:kv_writes_in_flight\{[^}]*\} 0\.0$",
                                    prefill.get("/metrics").text, re.M), 10, "the writes drained")
