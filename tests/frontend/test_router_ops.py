@@ -191,35 +191,23 @@ def test_health_stays_200_while_ready_follows_the_workers(default_model_dir, tok
         run_with_router(config, tokenizer, scenario)
 
 
-def test_a_failed_prefill_is_a_500_naming_it_and_aborts_the_room_on_both_workers(default_model_dir, tokenizer):
+@pytest.mark.parametrize("code,status", [(api.ErrorCode.PREFILL_FAILED, 500), (api.ErrorCode.DECODE_UNREACHABLE, 503)])
+def test_a_failed_prefill_names_it_aborts_the_room_on_both_workers_and_says_whether_to_retry(
+        default_model_dir, tokenizer, code, status):
+    """A fault of the prefill itself is a 500. The decode worker gone (it died under the KV
+    transfer, or never answered /bootstrap) is a worker that died under the request, as when its
+    stream breaks: 503 with Retry-After, so the client may retry."""
     with FakeWorker("prefill") as prefill, FakeWorker("decode") as decode:
-        prefill.prefill_error = api.ErrorCode.PREFILL_FAILED
+        prefill.prefill_error = code
         config = ops_config(default_model_dir, prefill_urls=[prefill.url], decode_urls=[decode.url])
 
         async def scenario(http: httpx.AsyncClient, router) -> None:
             r = await http.post(CHAT, json=chat(max_tokens=1000), headers={"X-Request-Id": "pf-1"})
-            assert r.status_code == 500, r.text
+            assert r.status_code == status, r.text
+            assert ("retry-after" in r.headers) == (status == 503)
             assert r.json()["error"]["message"] == "prefill failed: the KV transfer failed"
             await wait_until(lambda: decode.aborts and prefill.aborts, 3, "the aborts to reach both workers")
             assert decode.aborts == prefill.aborts == [{"request_id": "pf-1", "origin": "peer"}]
-
-        run_with_router(config, tokenizer, scenario)
-
-
-def test_a_prefill_whose_decode_worker_died_is_a_503_the_client_may_retry(default_model_dir, tokenizer):
-    """The decode worker died under the KV transfer (or never answered /bootstrap): a worker
-    died under the request, as when its stream breaks, not a fault of the prefill."""
-    with FakeWorker("prefill") as prefill, FakeWorker("decode") as decode:
-        prefill.prefill_error = api.ErrorCode.DECODE_UNREACHABLE
-        config = ops_config(default_model_dir, prefill_urls=[prefill.url], decode_urls=[decode.url])
-
-        async def scenario(http: httpx.AsyncClient, router) -> None:
-            r = await http.post(CHAT, json=chat(max_tokens=1000), headers={"X-Request-Id": "pf-2"})
-            assert r.status_code == 503, r.text
-            assert r.headers["retry-after"]
-            assert r.json()["error"]["message"].startswith("prefill failed: ")
-            await wait_until(lambda: decode.aborts and prefill.aborts, 3, "the aborts to reach both workers")
-            assert decode.aborts == prefill.aborts == [{"request_id": "pf-2", "origin": "peer"}]
 
         run_with_router(config, tokenizer, scenario)
 
