@@ -249,6 +249,9 @@ class TokenLine(_Message):
     prompt_logprobs: list[TokenLogprob | None] | None = None
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # with an ``error`` finish: the KV transfer failed because the prefill worker died (not a
+    # fault of this request: the router answers 503, which the client may retry)
+    peer_dead: bool = False
     cached_tokens: int | None = None  # with the finish: prompt tokens reused from the prefix cache
 
 

@@ -292,7 +292,8 @@ class ChoiceRun:
             return True
         if reason is not None:
             why = line.error or f"the worker ended the request ({reason.value})"
-            raise (internal(why) if reason is FinishReason.ERROR else unavailable(why))
+            # the prefill worker died under the KV transfer: a worker died under the request
+            raise (internal(why) if reason is FinishReason.ERROR and not line.peer_dead else unavailable(why))
         return False
 
     def _finish(self, reason: str) -> None:

@@ -87,7 +87,8 @@ def output_line(out: StepOutput) -> TokenLine:
                      logprobs=None if lp is None else [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                                                     top=[tuple(t) for t in lp.top])],
                      finish_reason=None if out.finish_reason is None else FinishReason(out.finish_reason),
-                     error=out.error, cached_tokens=out.cached_tokens if out.finish_reason else None,
+                     error=out.error, peer_dead=out.peer_dead,
+                     cached_tokens=out.cached_tokens if out.finish_reason else None,
                      prompt_logprobs=None if out.prompt_logprobs is None else [
                          None if e is None else TokenLogprob(token_id=e.token_id, logprob=e.logprob,
                                                              top=[tuple(t) for t in e.top])

@@ -54,6 +54,7 @@ class FakeWorker:
         self.status = "ok"              # /health's status: 200 when "ok", else 503
         self.aborts: list[dict] = []    # /abort bodies, in order
         self.prefill_error: api.ErrorCode | None = None  # /prefill fails with this code
+        self.decode_error: api.TokenLine | None = None   # /generate ends with this line after the room
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(self._app(), host="127.0.0.1", port=self.port,
@@ -101,6 +102,9 @@ class FakeWorker:
             async def lines():
                 if body.prefill_url is not None:  # a decode worker: the room's blocks first
                     yield api.line(api.RoomLine(room=api.Room(request_id=rid, blocks=[0, 1], worker_id=self.role)))
+                if self.decode_error is not None:
+                    yield api.line(self.decode_error)
+                    return
                 for i in range(n):
                     await asyncio.sleep(self.token_s)  # the fake model's pace, not a synchronization
                     if rid in aborted:
@@ -208,6 +212,25 @@ def test_a_failed_prefill_names_it_aborts_the_room_on_both_workers_and_says_whet
             assert r.json()["error"]["message"] == "prefill failed: the KV transfer failed"
             await wait_until(lambda: decode.aborts and prefill.aborts, 3, "the aborts to reach both workers")
             assert decode.aborts == prefill.aborts == [{"request_id": "pf-1", "origin": "peer"}]
+
+        run_with_router(config, tokenizer, scenario)
+
+
+@pytest.mark.parametrize("peer_dead,status", [(False, 500), (True, 503)])
+def test_a_room_that_failed_on_the_decode_worker_says_whether_to_retry(default_model_dir, tokenizer,
+                                                                      peer_dead, status):
+    """The decode side of the same rule: its room failed because the prefill worker died (503,
+    retry), or for a fault of its own (500)."""
+    with FakeWorker("prefill") as prefill, FakeWorker("decode") as decode:
+        decode.decode_error = api.TokenLine(finish_reason=api.FinishReason.ERROR, peer_dead=peer_dead,
+                                            error="KV transfer failed: rank 0: source gone")
+        config = ops_config(default_model_dir, prefill_urls=[prefill.url], decode_urls=[decode.url])
+
+        async def scenario(http: httpx.AsyncClient, router) -> None:
+            r = await http.post(CHAT, json=chat(max_tokens=1000), headers={"X-Request-Id": "df-1"})
+            assert r.status_code == status, r.text
+            assert ("retry-after" in r.headers) == (status == 503)
+            assert r.json()["error"]["message"] == "KV transfer failed: rank 0: source gone"
 
         run_with_router(config, tokenizer, scenario)
 

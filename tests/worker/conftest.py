@@ -109,6 +109,7 @@ class PDClient:
         self.keep_prefills = keep_prefills
         self.prefills: list[asyncio.Task] = []
         self.prefill_errors: dict[str, tuple[int, str]] = {}
+        self.last_lines: dict[str, api.TokenLine] = {}  # each request's final line
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, pool=None),
                                       limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
@@ -131,6 +132,7 @@ class PDClient:
                         continue
                     tokens += msg.token_ids
                     if msg.finish_reason is not None:
+                        self.last_lines[rid] = msg
                         return tokens, msg.finish_reason.value, msg.error
         finally:
             if prefill_task is not None and not prefill_task.done() and not self.keep_prefills:

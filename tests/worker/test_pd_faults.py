@@ -114,7 +114,8 @@ def test_prefill_killed_mid_transfer(default_model_dir, reference, monkeypatch):
     """Six rooms open on both sides when the prefill worker dies (it sampled their first tokens
     and holds their KV for the write; the decode worker holds their blocks): the decode
     worker's transfer layer fails exactly those six rooms for the dead peer, their requests end
-    with an error at once, the decodes already running carry on, and every block comes back."""
+    at once with an error that says the peer died (the router's 503), the decodes already running
+    carry on, and every block comes back."""
     ids, ref = reference
     with monkeypatch.context() as m:
         for name, value in FaultPlan({0: RankFaults(hold_writes="victim-")}).to_env().items():
@@ -141,12 +142,13 @@ def test_prefill_killed_mid_transfer(default_model_dir, reference, monkeypatch):
             # peer died
             await until(lambda: _metric_is(c, decode, "kv_rooms_failed_peer_dead_total", 6), 5,
                         "the decode worker to count 6 rooms failed for their dead peer")
-            return await asyncio.gather(*running), ended, latency
-        running, victims, latency = asyncio.run(asyncio.wait_for(run(), 300))
+            return await asyncio.gather(*running), ended, latency, c.last_lines
+        running, victims, latency, last_lines = asyncio.run(asyncio.wait_for(run(), 300))
         for i, (tokens, reason, err) in enumerate(running):
             assert err is None and tokens[:8] == ref[i]  # decoding requests carry on
         for v in victims:
             assert not isinstance(v, BaseException) and v[1] == "error" and "KV transfer failed" in v[2], v
+        assert [last_lines[f"victim-{i}"].peer_dead for i in range(6)] == [True] * 6
         assert latency < 2.0, f"affected requests took {latency:.2f}s to fail"
         wait_for(lambda: pool_full(decode), 30, "the decode pool full after the fence")
         # a new prefill worker (new port) registers and serves
