@@ -5,6 +5,7 @@
 // key and value row is read once for all of them. Softmax is online (running max and sum, per
 // chunk of keys), so no score row of the whole context is ever stored.
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 namespace pds_cpu {
@@ -52,6 +53,30 @@ static inline int64_t decode_state_floats(const DecodeAttention& a) {
 inline int64_t decode_attention_scratch(const DecodeAttention& a) {
   const int64_t group = a.heads / a.kv_heads;
   return group * (a.head_dim + kKeysPerChunk + 2);
+}
+
+// The chunk of a decode row's keys that starts at key t0, for KV head kvh: the cache offset
+// (elements) of its first row, the others `kv_heads * head_dim` apart, and its length: at most
+// `most` keys, never past its block or `end`.
+struct KeyChunk {
+  int64_t base, n;
+};
+inline KeyChunk key_chunk(const DecodeAttention& a, const int64_t* table, int64_t kvh, int64_t t0, int64_t end,
+                          int64_t most) {
+  const int64_t bs = a.block_size, off = t0 % bs;
+  return {(table[t0 / bs] * bs + off) * a.kv_heads * a.head_dim + kvh * a.head_dim,
+          std::min({most, bs - off, end - t0})};
+}
+
+// Asks for `n` rows of `d` cache elements, `row` elements apart, to be brought into L1. A decode
+// unit asks for its chunk's value rows as it starts scoring the chunk, and for the next chunk's
+// key rows: each chunk is a block that may sit anywhere in the cache, so the hardware
+// prefetchers, which follow addresses, cannot run ahead of the block table
+// (docs/cpu-attention.md).
+template <class T>
+inline void prefetch_rows(const T* first, int64_t n, int64_t row, int64_t d) {
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = 0; i < d; i += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(first + j * row + i, 0, 3);
 }
 
 // Sequence `b`, KV head `kvh`, `keys` of its context: its group of query heads attended.

@@ -65,7 +65,7 @@ void finish(const DecodeAttention& a, int64_t b, int64_t kvh, const DecodeKeys& 
 // scores padded to 8.
 template <class T>
 void decode_attention_vec(const DecodeAttention& a, int64_t b, int64_t kvh, const DecodeKeys& keys, float* scratch) {
-  const int64_t group = a.heads / a.kv_heads, d = a.head_dim, bs = a.block_size;
+  const int64_t group = a.heads / a.kv_heads, d = a.head_dim;
   const int64_t row = a.kv_heads * d;
   const float* q = a.q + b * a.q_stride + kvh * group * d;
   const int64_t* table = a.tables + b * a.table_stride;
@@ -81,8 +81,13 @@ void decode_attention_vec(const DecodeAttention& a, int64_t b, int64_t kvh, cons
   }
   const __m256 scale = _mm256_set1_ps(a.scale);
   for (int64_t t0 = keys.begin; t0 < keys.end;) {
-    const int64_t off = t0 % bs, n = std::min({kKeysPerChunk, bs - off, keys.end - t0});
-    const int64_t base = (table[t0 / bs] * bs + off) * row + kvh * d;
+    const KeyChunk chunk = key_chunk(a, table, kvh, t0, keys.end, kKeysPerChunk);
+    const int64_t n = chunk.n, base = chunk.base;
+    prefetch_rows(static_cast<const T*>(a.v_cache) + base, n, row, d);
+    if (t0 + n < keys.end) {
+      const KeyChunk next = key_chunk(a, table, kvh, t0 + n, keys.end, kKeysPerChunk);
+      prefetch_rows(static_cast<const T*>(a.k_cache) + next.base, next.n, row, d);
+    }
     const int64_t padded = (n + 7) & ~int64_t{7};
     for (int64_t j = 0; j < n; ++j) {  // scores: each key row read once for the whole group
       const T* k = static_cast<const T*>(a.k_cache) + base + j * row;
@@ -166,7 +171,7 @@ void decode_attention_avx2(const DecodeAttention& a, int64_t b, int64_t kvh, con
                            float* scratch) {
   if (a.kv_half) return decode_attention_vec<uint16_t>(a, b, kvh, keys, scratch);  // head_dim % 16 == 0 (checked)
   if (a.head_dim % 8 == 0) return decode_attention_vec<float>(a, b, kvh, keys, scratch);
-  const int64_t group = a.heads / a.kv_heads, d = a.head_dim, bs = a.block_size;
+  const int64_t group = a.heads / a.kv_heads, d = a.head_dim;
   const int64_t row = a.kv_heads * d;  // floats between neighbouring tokens
   const float* q = a.q + b * a.q_stride + kvh * group * d;
   const int64_t* table = a.tables + b * a.table_stride;
@@ -183,8 +188,8 @@ void decode_attention_avx2(const DecodeAttention& a, int64_t b, int64_t kvh, con
   const float* vv_rows[kKeysPerChunk];
   for (int64_t t0 = keys.begin; t0 < keys.end;) {
     // the keys of one chunk never cross a block boundary: one table lookup per chunk
-    const int64_t off = t0 % bs, n = std::min({kKeysPerChunk, bs - off, keys.end - t0});
-    const int64_t base = (table[t0 / bs] * bs + off) * row + kvh * d;
+    const KeyChunk chunk = key_chunk(a, table, kvh, t0, keys.end, kKeysPerChunk);
+    const int64_t n = chunk.n, base = chunk.base;
     for (int64_t j = 0; j < n; ++j) {
       kv_rows[j] = static_cast<const float*>(a.k_cache) + base + j * row;
       vv_rows[j] = static_cast<const float*>(a.v_cache) + base + j * row;

@@ -32,7 +32,7 @@ inline __m512 load16(const uint16_t* p) {
 // G x 16 floats.
 template <int G, int D, class T>
 void decode_unit(const DecodeAttention& a, int64_t b, int64_t kvh, const DecodeKeys& keys, float* probs) {
-  const int64_t d = 16 * D, bs = a.block_size, row = a.kv_heads * d;
+  const int64_t d = 16 * D, row = a.kv_heads * d;
   const float* q = a.q + b * a.q_stride + kvh * G * d;
   const int64_t* table = a.tables + b * a.table_stride;
   __m512 qv[G][D], acc[G][D];
@@ -47,9 +47,15 @@ void decode_unit(const DecodeAttention& a, int64_t b, int64_t kvh, const DecodeK
   }
   const __m512 scale = _mm512_set1_ps(a.scale);
   for (int64_t t0 = keys.begin; t0 < keys.end;) {
-    const int64_t off = t0 % bs, n = std::min<int64_t>({kChunk, bs - off, keys.end - t0});
-    const T* k0 = static_cast<const T*>(a.k_cache) + (table[t0 / bs] * bs + off) * row + kvh * d;
-    const T* v0 = static_cast<const T*>(a.v_cache) + (table[t0 / bs] * bs + off) * row + kvh * d;
+    const KeyChunk chunk = key_chunk(a, table, kvh, t0, keys.end, kChunk);
+    const int64_t n = chunk.n;
+    const T* k0 = static_cast<const T*>(a.k_cache) + chunk.base;
+    const T* v0 = static_cast<const T*>(a.v_cache) + chunk.base;
+    prefetch_rows(v0, n, row, d);
+    if (t0 + n < keys.end) {
+      const KeyChunk next = key_chunk(a, table, kvh, t0 + n, keys.end, kChunk);
+      prefetch_rows(static_cast<const T*>(a.k_cache) + next.base, next.n, row, d);
+    }
     for (int64_t j = 0; j < n; ++j) {  // scores: each key row read once for the group
       const T* k = k0 + j * row;
       __m512 kv[D];
