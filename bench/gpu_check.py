@@ -14,13 +14,17 @@ per op backend (`--kernels torch`, then `native`: the csrc/ attention kernels in
 with its decode steps as CUDA graphs and again eagerly), on the same greedy prompts, and compares
 them: the tokens agree, and decode tok/s of each. It
 then runs the prefix cache's host tier on CUDA (a device pool too small for the prompts, so
-their blocks go to host memory and come back on asynchronous copies) against a cache-off run.
+their blocks go to host memory and come back on asynchronous copies) against a cache-off run,
+and the piecewise prompt graphs against the same engine's eager prompt steps: their time (an
+agent's later turn, a cold 512-token chunk) and the greedy tokens.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import random
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -374,11 +378,12 @@ def run_engine(device: str, kernels: str, max_tokens: int, dtype: str = "bfloat1
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
     tokens = [c.token_ids for c in out]
-    graphs = llm.engine.runner.graphs
+    graphs, prompts = llm.engine.runner.graphs, llm.engine.runner.prompt_graphs
     name = kernels if cuda_graphs else f"{kernels}_eager"
     # first: the note that carries it is cut at 300 characters
-    selection = ("CUDA graphs: " + (graphs.disabled or f"{len(graphs.graphs)} captured") if graphs is not None
-                 else "no CUDA graphs") + "; " + llm.engine.kernels.describe()
+    selection = ("CUDA graphs: " + (graphs.disabled or f"{len(graphs.graphs)} decode") + ", "
+                 + (prompts.disabled or f"{len(prompts.graphs)} prompt buckets") + " captured"
+                 if graphs is not None and prompts is not None else "no CUDA graphs") + "; " + llm.engine.kernels.describe()
     return EngineRun(name, selection, tokens, seconds, sum(map(len, tokens)))
 
 
@@ -430,10 +435,66 @@ def run_host_tier(device: str, max_tokens: int, caching: bool) -> tuple[EngineRu
         (host.num_loaded if host is not None else 0)
 
 
+def _prompt_step_ms(engine, prompt: list[int]) -> float:
+    """One step of a new request's prompt (its first), in ms; the request then runs to its end."""
+    from pdserve.engine.sampling_params import SamplingParams
+
+    engine.add_request(f"p{time.perf_counter_ns()}", prompt, SamplingParams(temperature=0, max_tokens=1))
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    engine.step()
+    torch.cuda.synchronize()
+    ms = (time.perf_counter() - t0) * 1e3
+    engine.run_until_done()
+    return ms
+
+
+def check_prompt_graphs(device: str, max_tokens: int) -> Check:
+    """Prompt steps replayed from the piecewise prompt graphs against the same engine's eager
+    prompt steps (alternating, decode graphs in both): an agent's later turn (52 new tokens over
+    1,280 cached), a cold 512-token chunk, and ENGINE_PROMPTS' greedy tokens."""
+    from pdserve.engine.config import EngineConfig
+    from pdserve.engine.llm import LLM
+    from pdserve.engine.sampling_params import SamplingParams
+
+    llm = LLM(EngineConfig(device=device, dtype="bfloat16", kernels="native"))
+    engine, graphs = llm.engine, llm.engine.runner.prompt_graphs
+    if graphs is None:
+        return Check("engine_prompt_graphs", "-", False, float("nan"), 0.0, "no prompt graphs on this engine")
+    rng = random.Random(0)
+    base = [rng.randrange(100, 40000) for _ in range(1280)]
+    _prompt_step_ms(engine, base)  # cached from now on
+    times: dict[str, list[float]] = {}
+    runs = {}
+    for rnd in range(2):
+        for mode in ("eager", "graphs"):
+            engine.runner.prompt_graphs = graphs if mode == "graphs" else None
+            for label, prompt_of in (("turn", lambda: base + [rng.randrange(100, 40000) for _ in range(52)]),
+                                     ("cold", lambda: [rng.randrange(100, 40000) for _ in range(512)])):
+                ms = [_prompt_step_ms(engine, prompt_of()) for _ in range(6)]
+                times.setdefault(f"{label}-{mode}", []).append(statistics.median(ms[1:]))  # the first captures
+            if rnd == 0:
+                t0 = time.perf_counter()
+                out = llm.generate(ENGINE_PROMPTS, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                  ignore_eos=True), chat=True)
+                tokens = [c.token_ids for c in out]
+                runs[mode] = EngineRun(f"prompt_{mode}", f"{len(graphs.graphs)} buckets captured", tokens,
+                                       time.perf_counter() - t0, sum(map(len, tokens)))
+    engine.runner.prompt_graphs = graphs
+    check = compare_engine_runs(runs["eager"], runs["graphs"])
+    best = {k: min(v) for k, v in times.items()}
+    check.name = "engine_prompt_graphs"
+    check.ok &= graphs.disabled is None
+    check.note = (f"prompt step eager -> graphs: turn (52 over 1,280 cached) {best['turn-eager']:.1f} -> "
+                  f"{best['turn-graphs']:.1f} ms, cold 512 {best['cold-eager']:.1f} -> {best['cold-graphs']:.1f} ms; "
+                  + check.note)[:300]
+    return check
+
+
 def engine_checks(device: str, max_tokens: int) -> tuple[list[Check], list[dict]]:
     """Run the engine once per backend on `device` and compare each with the torch run (native
-    twice: with its decode steps as CUDA graphs, and eagerly); then the prefix cache's host tier
-    against a cache-off run."""
+    twice: with its steps as CUDA graphs, and eagerly); then the prefix cache's host tier
+    against a cache-off run, and the prompt graphs against eager prompt steps."""
     runs = [run_engine(device, "torch", max_tokens), run_engine(device, "native", max_tokens),
             run_engine(device, "native", max_tokens, cuda_graphs=False)]
     checks = [compare_engine_runs(runs[0], r) for r in runs[1:]]
@@ -443,6 +504,7 @@ def engine_checks(device: str, max_tokens: int) -> tuple[list[Check], list[dict]
     tier.ok &= loaded > 0
     tier.note = f"{loaded} blocks loaded from host memory; " + tier.note
     checks.append(tier)
+    checks.append(check_prompt_graphs(device, max_tokens))
     rows = [{"backend": r.backend, "selection": r.selection, "tok_s": r.tok_s, "seconds": r.seconds}
             for r in (*runs, off, on)]
     return checks, rows

@@ -64,8 +64,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="plan, agree and poll transfers for the next step while the forward runs on "
                         "its own thread (docs/overlap.md; default off: --no-overlap is the plain loop)")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="on a GPU, run every decode step op by op instead of replaying a CUDA graph "
-                        "captured per batch size (docs/gpu.md)")
+                   help="on a GPU, run every step op by op instead of replaying CUDA graphs captured per "
+                        "batch size (decode) and per bucket of tokens (prompts, piecewise; docs/gpu.md)")
     p.add_argument("--host-cache-memory", type=_bytes, default=0,
                    help="host memory per rank for cached KV blocks evicted from the pool, e.g. 1GiB "
                         "(a second prefix cache tier; default 0: none)")

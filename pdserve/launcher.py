@@ -598,7 +598,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     e.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="the workers plan the next step while the forward runs (docs/overlap.md)")
     e.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
-                   help="the GPU workers run decode steps op by op (no CUDA graphs; docs/gpu.md)")
+                   help="the GPU workers run every step op by op (no CUDA graphs; docs/gpu.md)")
     e.add_argument("--host-cache-memory", default=None,
                    help="host memory per worker rank for evicted cached KV blocks, e.g. 1GiB")
     e.add_argument("--worker-arg", action="append", default=[], metavar="ARG",

@@ -33,7 +33,7 @@ class EngineConfig:
     prefix_cache: bool = True           # reuse cached KV blocks of shared prompt prefixes (--no-prefix-cache)
     host_cache_memory: int = 0          # bytes of host memory for evicted cached blocks (0: no second tier)
     overlap: bool = False               # plan step N+1 while step N's forward runs (docs/overlap.md)
-    cuda_graphs: bool = True            # on CUDA, decode steps replay captured graphs (docs/gpu.md)
+    cuda_graphs: bool = True            # on CUDA, steps replay captured graphs (docs/gpu.md)
 
     def prefill_budget(self) -> int | None:
         """Prompt tokens a step may compute beside a token it samples (a decode's, a prompt's

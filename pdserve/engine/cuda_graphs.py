@@ -1,4 +1,5 @@
-"""Decode steps as CUDA graphs: one captured forward per batch size, replayed.
+"""Steps as CUDA graphs: a decode step's whole forward per batch size, a prompt step's forward in
+pieces per bucket of token counts, captured once and replayed.
 
 On a GPU the op-by-op forward is bound by the host: a decode step of the default model (30
 layers) launches about 1,000 kernels, 25–45 ms of host time around a few ms of kernels
@@ -16,9 +17,18 @@ A batch size's first decode step runs eagerly on the graphs' stream (the capture
 the step's real inputs), then its graph is captured: capturing launches nothing, so no KV slot is
 written twice. A capture that fails turns graphs off for the engine, with one warning, and every
 step runs eagerly from then on.
+
+Prompt and mixed steps (`PromptGraphs`) are captured piecewise, as vLLM does: the attention of
+such a step reads every sequence's context through its own offsets, so it stays eager, and the
+graphs hold everything between two attention calls. A step of t tokens replays the graphs of the
+smallest bucket of token counts that holds it (16, 32, ... up to the step's token budget), its
+rows past t padding that no attention stores or reads. A prompt step of the default model is
+then 31 replays and 30 eager attention calls (a few launches each) instead of about 1,000
+launches: 12 ms instead of 35 on an H200 (docs/gpu.md).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from dataclasses import dataclass
@@ -27,7 +37,7 @@ import torch
 
 import pdserve_kernels as ops
 from pdserve.kvcache import KVPool
-from pdserve.layers.attention import AttentionMetadata
+from pdserve.layers.attention import Attention, AttentionMetadata
 from pdserve.layers.rotary import RotaryEmbedding
 from pdserve_kernels import attention_cuda
 
@@ -129,3 +139,135 @@ class DecodeGraphs:
         with torch.cuda.graph(g.graph, stream=self.stream, capture_error_mode="thread_local"):
             g.hidden = self.model(g.ids, g.positions, meta)
         return g
+
+
+def prompt_buckets(max_tokens: int) -> list[int]:
+    """The token counts prompt graphs are captured for: powers of two from 16, then the step
+    budget itself (a step never holds more)."""
+    sizes, n = [], 16
+    while n < max_tokens:
+        sizes.append(n)
+        n *= 2
+    return sizes + [max_tokens]
+
+
+@dataclass
+class AttentionCall:
+    """One attention layer of a prompt graph: the graph segment that ends at it, the q, k and v
+    that segment leaves (`[bucket, heads, head_dim]`, in the graph's memory), and `out`, the
+    attention's result that the next segment reads."""
+
+    before: torch.cuda.CUDAGraph
+    layer: Attention
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+
+
+@dataclass
+class PromptGraph:
+    """One bucket's captured segments and the buffers they read and write."""
+
+    ids: torch.Tensor        # int64 [bucket]
+    positions: torch.Tensor  # int64 [bucket]
+    calls: list[AttentionCall]
+    after: torch.cuda.CUDAGraph  # from the last attention to the final norm
+    hidden: torch.Tensor     # [bucket, hidden]
+    replays: int = 0
+
+
+class PromptGraphs:
+    """The piecewise-captured forwards of one engine's steps that are not decode steps, by
+    bucket of token counts (up to `max_tokens`)."""
+
+    def __init__(self, model: torch.nn.Module, device: str, max_model_len: int, max_tokens: int):
+        self.model, self.device = model, torch.device(device)
+        self.buckets = prompt_buckets(max_tokens)
+        self.graphs: dict[int, PromptGraph] = {}
+        self.disabled: str | None = None
+        self.stream = torch.cuda.Stream(self.device)
+        self.layers = [m for m in model.modules() if isinstance(m, Attention)]
+        for module in model.modules():
+            if isinstance(module, RotaryEmbedding):
+                module.cover(max_model_len, self.device)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The hidden states of the step's `t` tokens through its bucket's graphs; None when this
+        step is to run eagerly."""
+        t = ids.shape[0]
+        if self.disabled is not None or t > self.buckets[-1]:
+            return None
+        size = next(b for b in self.buckets if b >= t)
+        graph = self.graphs.get(size)
+        if graph is None:
+            return self._warm_up_and_capture(size, ids, positions, meta)
+        graph.ids[:t].copy_(ids)
+        graph.positions[:t].copy_(positions)
+        for call in graph.calls:
+            call.before.replay()
+            call.out[:t].copy_(call.layer.attend(call.q[:t], call.k[:t], call.v[:t], meta))
+        graph.after.replay()
+        graph.replays += 1
+        return graph.hidden[:t]
+
+    def _warm_up_and_capture(self, size: int, ids: torch.Tensor, positions: torch.Tensor,
+                             meta: AttentionMetadata) -> torch.Tensor:
+        """Run this step eagerly on the graphs' stream, then capture bucket `size` there."""
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            hidden = self.model(ids, positions, meta)
+        compute.wait_stream(self.stream)
+        hidden.record_stream(compute)
+        try:
+            self.graphs[size] = self._capture(size)
+            logger.info("captured the prompt forward for %d tokens (%d buckets)", size, len(self.graphs))
+        except Exception as err:  # noqa: BLE001 - any failure leaves the eager forward, which is always right
+            self.disabled = f"capturing {size} tokens failed: {err!r}"[:300]
+            logger.warning("prompt graphs off for this engine: %s; prompt steps run eagerly", self.disabled)
+        return hidden
+
+    def _capture(self, size: int) -> PromptGraph:
+        """One forward of `size` tokens, captured as segments that end at each attention layer
+        (`Attention.split`); nothing runs, so no KV slot is written."""
+        dev = self.device
+        ids = torch.zeros(size, dtype=torch.long, device=dev)
+        positions = torch.zeros(size, dtype=torch.long, device=dev)
+        no_slots = torch.zeros(0, dtype=torch.long, device=dev)
+        meta = AttentionMetadata([0, size], [size], no_slots, no_slots, [])  # no split layer reads it
+        pool = torch.cuda.graph_pool_handle()  # one pool: a segment reads what the one before left
+        calls: list[AttentionCall] = []
+        segment, capturing = torch.cuda.CUDAGraph(), False
+
+        def split(layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            nonlocal segment, capturing
+            segment.capture_end()
+            capturing = False
+            out = torch.empty(size, q.shape[1] * q.shape[2], dtype=q.dtype, device=dev)
+            calls.append(AttentionCall(segment, layer, q, k, v, out))
+            segment = torch.cuda.CUDAGraph()
+            segment.capture_begin(pool=pool, capture_error_mode="thread_local")
+            capturing = True
+            return out
+
+        torch.cuda.synchronize(dev)
+        for layer in self.layers:
+            layer.split = split
+        try:
+            with torch.cuda.stream(self.stream):
+                # thread_local: an overlapped loop's thread may use CUDA while this one captures
+                segment.capture_begin(pool=pool, capture_error_mode="thread_local")
+                capturing = True
+                hidden = self.model(ids, positions, meta)
+                segment.capture_end()
+                capturing = False
+        finally:
+            for layer in self.layers:
+                layer.split = None
+            if capturing:  # a failed capture still has to end before CUDA can be used again
+                with contextlib.suppress(Exception):
+                    segment.capture_end()
+        if len(calls) != len(self.layers):
+            raise RuntimeError(f"{len(calls)} attention calls captured, the model has {len(self.layers)}")
+        return PromptGraph(ids, positions, calls, segment, hidden)

@@ -109,8 +109,10 @@ class LLMEngine:
         if why is None:
             self.runner.graphs = cuda_graphs.DecodeGraphs(self.model, self.pool, config.device, max_len,
                                                           config.max_num_seqs)
+            self.runner.prompt_graphs = cuda_graphs.PromptGraphs(self.model, config.device, max_len,
+                                                                 config.max_num_batched_tokens)
         elif config.device.startswith("cuda"):
-            logger.info("CUDA graphs off: %s; decode steps run eagerly", why)
+            logger.info("CUDA graphs off: %s; every step runs eagerly", why)
         # constrained decoding: only rank 0 samples, so only its cache ever compiles (lockstep.py)
         self.grammars = self.runner.grammars = grammars_for_model(self.model_dir)
         self.kv_role = KVRole(kv_role)

@@ -17,7 +17,7 @@ from pdserve.layers.attention import AttentionMetadata
 from pdserve.scheduler.plan import SampledToken
 from pdserve.structured import Grammars
 
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import DecodeGraphs, PromptGraphs
 from .prompt_logprobs import compute_prompt_logprobs, prompt_rows
 from .sampler import GrammarMasks, prepare_masks, sample
 from .sequence import Sequence
@@ -54,6 +54,7 @@ class ModelRunner:
         self.model, self.pool, self.device, self.tp = model, pool, device, tp
         self.grammars: Grammars | None = None  # for constrained requests (the engine sets it)
         self.graphs: DecodeGraphs | None = None  # decode steps as CUDA graphs (the engine sets it)
+        self.prompt_graphs: PromptGraphs | None = None  # the other steps, piecewise (likewise)
 
     def metadata(self, batch: list[tuple[Sequence, int, int]]
                  ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -140,6 +141,8 @@ class ModelRunner:
             self.tp.broadcast(values)
             ids[ph.rows] = values.to(ids.device, non_blocking=True)
         hidden = self.graphs.forward(ids, positions, meta) if self.graphs is not None else None
+        if hidden is None and self.prompt_graphs is not None:
+            hidden = self.prompt_graphs.forward(ids, positions, meta)
         if hidden is None:
             hidden = self.model(ids, positions, meta)
         wanted = prompt_rows(batch, meta.query_start_loc)

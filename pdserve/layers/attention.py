@@ -1,6 +1,7 @@
 """Attention over the paged KV cache, and the per-step metadata every attention layer reads."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +59,18 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
+        # set while a prompt graph is captured: ends the graph's segment at this layer and gives
+        # the buffer the next segment reads (engine/cuda_graphs.py, PromptGraphs)
+        self.split: Callable[[Attention, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
+        if self.split is not None:
+            return self.split(self, q, k, v)
+        return self.attend(q, k, v, meta)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """`[tokens, heads * head_dim]`: k/v stored at the step's slots, then q attended."""
         cache = meta.kv_caches[self.layer_idx]
         ops.store_kv(cache["k"], cache["v"], k, v, meta.slot_mapping)
         out = ops.paged_attention(q, cache["k"], cache["v"], meta.query_start_loc,

@@ -1,6 +1,9 @@
-"""Decode steps as CUDA graphs (engine/cuda_graphs.py): who may use them, the flag that turns
-them off, the rotary table they need, and on a GPU the same tokens as the eager engine."""
+"""Steps as CUDA graphs (engine/cuda_graphs.py): who may use them, the flag that turns them off,
+the rotary table they need, the prompt graphs' buckets, and on a GPU the same tokens as the eager
+engine (decode graphs; prompt graphs, piecewise)."""
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -17,7 +20,7 @@ needs_cuda = pytest.mark.skipif(not cuda_lib.available(), reason="needs a CUDA d
 
 def test_graphs_are_for_cuda_llama_models_at_tp1(tiny_llama_dir):
     engine = LLMEngine(EngineConfig(model=tiny_llama_dir, threads=1))
-    assert engine.runner.graphs is None
+    assert engine.runner.graphs is None and engine.runner.prompt_graphs is None
     assert cuda_graphs.unusable(engine.model, "cpu", 1, torch.float32) == "not a CUDA device"
     assert cuda_graphs.unusable(engine.model, "cuda", 2, torch.bfloat16) == \
         "tensor parallelism (the collectives run outside the GPU's streams)"
@@ -50,6 +53,13 @@ def test_a_covered_rotary_table_gives_the_grown_tables_values():
         for a, b in zip(grown.cos_sin(positions), covered.cos_sin(positions)):
             assert torch.equal(a, b)
     assert covered._table[0].shape[0] == 700  # never regrown past what it covers
+
+
+def test_prompt_buckets_double_from_16_up_to_the_step_budget():
+    assert cuda_graphs.prompt_buckets(512) == [16, 32, 64, 128, 256, 512]
+    assert cuda_graphs.prompt_buckets(600) == [16, 32, 64, 128, 256, 512, 600]
+    assert cuda_graphs.prompt_buckets(16) == [16]
+    assert cuda_graphs.prompt_buckets(10) == [10]
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +113,50 @@ def test_decode_graphs_give_the_eager_engines_tokens(head64_llama_dir):
     assert sorted(overlapped.runner.graphs.graphs) == [3, 5]
     assert all(g.replays > 0 for g in overlapped.runner.graphs.graphs.values())
     overlapped.close()
+
+
+def _conversations(engine: LLMEngine) -> dict[str, list[int]]:
+    """Three sessions, three turns: each turn resends the conversation (so it is mostly cached)
+    and is added two steps after the previous session's, while that one decodes (mixed steps)."""
+    rng = random.Random(3)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    history = [[rng.randrange(3, 300) for _ in range(rng.randint(20, 90))] for _ in range(3)]
+    out: dict[str, list[int]] = {}
+
+    def step() -> None:
+        for o in engine.step()[1]:
+            assert o.finish_reason != "error", o.error
+            if o.token_id is not None:
+                out[o.request_id].append(o.token_id)
+
+    for turn in range(3):
+        for s in range(3):
+            history[s] += [rng.randrange(3, 300) for _ in range(rng.randint(5, 40))]  # the user's turn
+            out[f"s{s}t{turn}"] = []
+            engine.add_request(f"s{s}t{turn}", list(history[s]), greedy)
+            step()
+            step()
+        while engine.has_work():
+            step()
+        for s in range(3):
+            history[s] += out[f"s{s}t{turn}"]
+    return out
+
+
+@needs_cuda
+def test_prompt_graphs_give_the_eager_engines_tokens(head64_llama_dir):
+    # prompts of 25-130 tokens in chunks of at most 64 (buckets 16, 32, 64), later turns over a
+    # cached prefix, prompts beside decoding rows; both engines replay the same decode graphs,
+    # so the prompt steps are the only difference
+    cfg = EngineConfig(model=head64_llama_dir, device="cuda", kernels="native", max_model_len=256, max_num_seqs=8,
+                       max_num_batched_tokens=64, kv_cache_memory=8 << 20)
+    eager, graphs = LLMEngine(cfg), LLMEngine(cfg)
+    eager.runner.prompt_graphs = None
+    assert graphs.runner.prompt_graphs.buckets == [16, 32, 64]
+    want = _conversations(eager)
+    assert all(len(t) == 12 for t in want.values())
+    assert _conversations(graphs) == want
+    prompts = graphs.runner.prompt_graphs
+    assert prompts.disabled is None
+    assert sum(g.replays for g in prompts.graphs.values()) > 0
+    assert all(len(g.calls) == 2 for g in prompts.graphs.values())  # a segment per attention layer
