@@ -76,6 +76,26 @@ def unusable(model: torch.nn.Module, device: str, tp_size: int, dtype: torch.dty
     return None
 
 
+def cover_rotary(model: torch.nn.Module, max_model_len: int, device: torch.device) -> None:
+    """Every rotary table of the model covers the whole context (`RotaryEmbedding.cover`)."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.cover(max_model_len, device)
+
+
+def warm_up(model: torch.nn.Module, stream: torch.cuda.Stream, ids: torch.Tensor, positions: torch.Tensor,
+            meta: AttentionMetadata) -> torch.Tensor:
+    """The step's forward run eagerly on `stream` (a capture's warm-up, with the step's real
+    inputs), its output handed back to the current stream."""
+    compute = torch.cuda.current_stream(stream.device)
+    stream.wait_stream(compute)
+    with torch.cuda.stream(stream):
+        hidden = model(ids, positions, meta)
+    compute.wait_stream(stream)
+    hidden.record_stream(compute)
+    return hidden
+
+
 class DecodeGraphs:
     """The captured decode forwards of one engine, by batch size (up to `max_batch`)."""
 
@@ -87,9 +107,7 @@ class DecodeGraphs:
         self.graphs: dict[int, DecodeGraph] = {}
         self.disabled: str | None = None
         self.stream = torch.cuda.Stream(self.device)
-        for module in model.modules():
-            if isinstance(module, RotaryEmbedding):
-                module.cover(max_model_len, self.device)
+        cover_rotary(model, max_model_len, self.device)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """The hidden states of a decode step (one new token per sequence), through its batch
@@ -112,12 +130,7 @@ class DecodeGraphs:
     def _warm_up_and_capture(self, n: int, ids: torch.Tensor, positions: torch.Tensor,
                              meta: AttentionMetadata) -> torch.Tensor:
         """Run this step eagerly on the graphs' stream, then capture batch size n there."""
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
-            hidden = self.model(ids, positions, meta)
-        compute.wait_stream(self.stream)
-        hidden.record_stream(compute)
+        hidden = warm_up(self.model, self.stream, ids, positions, meta)
         try:
             self.graphs[n] = self._capture(n)
             logger.info("captured the decode forward for batch %d (%d graphs)", n, len(self.graphs))
@@ -188,9 +201,7 @@ class PromptGraphs:
         self.disabled: str | None = None
         self.stream = torch.cuda.Stream(self.device)
         self.layers = [m for m in model.modules() if isinstance(m, Attention)]
-        for module in model.modules():
-            if isinstance(module, RotaryEmbedding):
-                module.cover(max_model_len, self.device)
+        cover_rotary(model, max_model_len, self.device)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """The hidden states of the step's `t` tokens through its bucket's graphs; None when this
@@ -214,12 +225,7 @@ class PromptGraphs:
     def _warm_up_and_capture(self, size: int, ids: torch.Tensor, positions: torch.Tensor,
                              meta: AttentionMetadata) -> torch.Tensor:
         """Run this step eagerly on the graphs' stream, then capture bucket `size` there."""
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
-        with torch.cuda.stream(self.stream):
-            hidden = self.model(ids, positions, meta)
-        compute.wait_stream(self.stream)
-        hidden.record_stream(compute)
+        hidden = warm_up(self.model, self.stream, ids, positions, meta)
         try:
             self.graphs[size] = self._capture(size)
             logger.info("captured the prompt forward for %d tokens (%d buckets)", size, len(self.graphs))

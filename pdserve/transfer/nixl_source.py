@@ -258,7 +258,6 @@ class NixlSource(TransferSource):
 
     def _peer_dead(self, peer: str, reason: str) -> None:
         gone = self._peers.pop(peer, None)
-        known = gone is not None
         if gone is not None:
             self._dead[peer] = gone.incarnation
         for room, handle in list(self._inflight.items()):
@@ -268,6 +267,6 @@ class NixlSource(TransferSource):
         self._ep.remove_peer(peer)
         for room in self.rooms.peer_dead(peer, reason):
             self._events.append(RoomFailed(room, f"target {peer} dead: {reason}", peer_dead=True))
-        if known:
+        if gone is not None:
             self._events.append(PeerDead(peer, reason))
             logger.warning("%s: target %s dead: %s", self.name, peer, reason)
