@@ -76,38 +76,54 @@ def unusable(model: torch.nn.Module, device: str, tp_size: int, dtype: torch.dty
     return None
 
 
-def cover_rotary(model: torch.nn.Module, max_model_len: int, device: torch.device) -> None:
-    """Every rotary table of the model covers the whole context (`RotaryEmbedding.cover`)."""
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            module.cover(max_model_len, device)
+class StepGraphs:
+    """What decode and prompt graphs share: the model, a stream of their own for warm-ups and
+    captures, the captured graphs by key, and the reason they were turned off (None: on)."""
 
+    kind = ""  # "decode" / "prompt", for the log
 
-def warm_up(model: torch.nn.Module, stream: torch.cuda.Stream, ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata) -> torch.Tensor:
-    """The step's forward run eagerly on `stream` (a capture's warm-up, with the step's real
-    inputs), its output handed back to the current stream."""
-    compute = torch.cuda.current_stream(stream.device)
-    stream.wait_stream(compute)
-    with torch.cuda.stream(stream):
-        hidden = model(ids, positions, meta)
-    compute.wait_stream(stream)
-    hidden.record_stream(compute)
-    return hidden
-
-
-class DecodeGraphs:
-    """The captured decode forwards of one engine, by batch size (up to `max_batch`)."""
-
-    def __init__(self, model: torch.nn.Module, pool: KVPool, device: str, max_model_len: int, max_batch: int):
-        self.model, self.pool, self.max_batch = model, pool, max_batch
-        self.device = torch.device(device)
-        self.max_model_len = max_model_len
-        self.width = math.ceil(max_model_len / pool.block_size)
-        self.graphs: dict[int, DecodeGraph] = {}
+    def __init__(self, model: torch.nn.Module, device: str, max_model_len: int):
+        self.model, self.device = model, torch.device(device)
+        self.graphs: dict = {}
         self.disabled: str | None = None
         self.stream = torch.cuda.Stream(self.device)
-        cover_rotary(model, max_model_len, self.device)
+        for module in model.modules():  # no step reads its largest position back to the host
+            if isinstance(module, RotaryEmbedding):
+                module.cover(max_model_len, self.device)
+
+    def _capture(self, key: int):
+        raise NotImplementedError
+
+    def _warm_up_and_capture(self, key: int, what: str, ids: torch.Tensor, positions: torch.Tensor,
+                             meta: AttentionMetadata) -> torch.Tensor:
+        """Run this step eagerly on the graphs' stream (the capture's warm-up, with the step's
+        real inputs), then capture `key` (`what`, for the log) there."""
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            hidden = self.model(ids, positions, meta)
+        compute.wait_stream(self.stream)
+        hidden.record_stream(compute)
+        try:
+            self.graphs[key] = self._capture(key)
+            logger.info("captured the %s forward for %s (%d graphs)", self.kind, what, len(self.graphs))
+        except Exception as err:  # noqa: BLE001 - any failure leaves the eager forward, which is always right
+            self.disabled = f"capturing {what} failed: {err!r}"[:300]
+            logger.warning("%s graphs off for this engine: %s; %s steps run eagerly", self.kind, self.disabled,
+                           self.kind)
+        return hidden
+
+
+class DecodeGraphs(StepGraphs):
+    """The captured decode forwards of one engine, by batch size (up to `max_batch`)."""
+
+    kind = "decode"
+
+    def __init__(self, model: torch.nn.Module, pool: KVPool, device: str, max_model_len: int, max_batch: int):
+        super().__init__(model, device, max_model_len)
+        self.pool, self.max_batch, self.max_model_len = pool, max_batch, max_model_len
+        self.width = math.ceil(max_model_len / pool.block_size)
+        self.graphs: dict[int, DecodeGraph] = {}
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """The hidden states of a decode step (one new token per sequence), through its batch
@@ -117,7 +133,7 @@ class DecodeGraphs:
             return None
         graph = self.graphs.get(n)
         if graph is None:
-            return self._warm_up_and_capture(n, ids, positions, meta)
+            return self._warm_up_and_capture(n, f"batch {n}", ids, positions, meta)
         graph.ids.copy_(ids)
         graph.positions.copy_(positions)
         graph.slots.copy_(meta.slot_mapping)
@@ -126,18 +142,6 @@ class DecodeGraphs:
         graph.graph.replay()
         graph.replays += 1
         return graph.hidden
-
-    def _warm_up_and_capture(self, n: int, ids: torch.Tensor, positions: torch.Tensor,
-                             meta: AttentionMetadata) -> torch.Tensor:
-        """Run this step eagerly on the graphs' stream, then capture batch size n there."""
-        hidden = warm_up(self.model, self.stream, ids, positions, meta)
-        try:
-            self.graphs[n] = self._capture(n)
-            logger.info("captured the decode forward for batch %d (%d graphs)", n, len(self.graphs))
-        except Exception as err:  # noqa: BLE001 - any failure leaves the eager forward, which is always right
-            self.disabled = f"capturing batch {n} failed: {err!r}"[:300]
-            logger.warning("CUDA graphs off for this engine: %s; decode steps run eagerly", self.disabled)
-        return hidden
 
     def _capture(self, n: int) -> DecodeGraph:
         dev = self.device
@@ -190,18 +194,17 @@ class PromptGraph:
     replays: int = 0
 
 
-class PromptGraphs:
+class PromptGraphs(StepGraphs):
     """The piecewise-captured forwards of one engine's steps that are not decode steps, by
     bucket of token counts (up to `max_tokens`)."""
 
+    kind = "prompt"
+
     def __init__(self, model: torch.nn.Module, device: str, max_model_len: int, max_tokens: int):
-        self.model, self.device = model, torch.device(device)
+        super().__init__(model, device, max_model_len)
         self.buckets = prompt_buckets(max_tokens)
         self.graphs: dict[int, PromptGraph] = {}
-        self.disabled: str | None = None
-        self.stream = torch.cuda.Stream(self.device)
         self.layers = [m for m in model.modules() if isinstance(m, Attention)]
-        cover_rotary(model, max_model_len, self.device)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor | None:
         """The hidden states of the step's `t` tokens through its bucket's graphs; None when this
@@ -212,7 +215,7 @@ class PromptGraphs:
         size = next(b for b in self.buckets if b >= t)
         graph = self.graphs.get(size)
         if graph is None:
-            return self._warm_up_and_capture(size, ids, positions, meta)
+            return self._warm_up_and_capture(size, f"{size} tokens", ids, positions, meta)
         graph.ids[:t].copy_(ids)
         graph.positions[:t].copy_(positions)
         for call in graph.calls:
@@ -221,18 +224,6 @@ class PromptGraphs:
         graph.after.replay()
         graph.replays += 1
         return graph.hidden[:t]
-
-    def _warm_up_and_capture(self, size: int, ids: torch.Tensor, positions: torch.Tensor,
-                             meta: AttentionMetadata) -> torch.Tensor:
-        """Run this step eagerly on the graphs' stream, then capture bucket `size` there."""
-        hidden = warm_up(self.model, self.stream, ids, positions, meta)
-        try:
-            self.graphs[size] = self._capture(size)
-            logger.info("captured the prompt forward for %d tokens (%d buckets)", size, len(self.graphs))
-        except Exception as err:  # noqa: BLE001 - any failure leaves the eager forward, which is always right
-            self.disabled = f"capturing {size} tokens failed: {err!r}"[:300]
-            logger.warning("prompt graphs off for this engine: %s; prompt steps run eagerly", self.disabled)
-        return hidden
 
     def _capture(self, size: int) -> PromptGraph:
         """One forward of `size` tokens, captured as segments that end at each attention layer
