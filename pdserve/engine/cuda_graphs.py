@@ -92,6 +92,7 @@ class StepGraphs:
                 module.cover(max_model_len, self.device)
 
     def _capture(self, key: int):
+        """Capture `key`'s graph (a batch size, a bucket): each kind defines it."""
         raise NotImplementedError
 
     def _warm_up_and_capture(self, key: int, what: str, ids: torch.Tensor, positions: torch.Tensor,
