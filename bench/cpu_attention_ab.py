@@ -1,5 +1,5 @@
-"""The CPU decode attention of two builds of libpdserve_cpu.so, alternating: a kernel change
-against its base on the same machine, in one script.
+"""The CPU attention (decode and extend) of two builds of libpdserve_cpu.so, alternating: a
+kernel change against its base on the same machine, in one script.
 
     git worktree add /tmp/base <base-rev>
     (cd /tmp/base && $PWD/.venv/bin/python -c 'import pdserve_kernels.cpu_lib as c; print(c.build())')
@@ -12,7 +12,8 @@ the second, this checkout's).
 Each measurement is its own process (a process loads one library): 30 layers' calls of the
 default model's shapes (9 query heads, 3 KV heads, head_dim 64, blocks of 16), a context of
 1,350 keys, for 1 row, 4 rows with their own blocks and 4 rows sharing every block (an agent's
-system prompt), the median of 25 passes; with a pool of 2,000 blocks a layer (its K/V far
+system prompt), and an agent's later turn (the extend kernel: 52 new tokens over 1,280 cached),
+the median of 25 passes; with a pool of 2,000 blocks a layer (its K/V far
 beyond the last-level cache of most machines: streamed from memory) and of 400. Both instruction
 sets that this CPU has.
 """
@@ -26,7 +27,9 @@ from pathlib import Path
 
 from common import RESULTS, environment, table, write_json
 
-CASES = (("1 row", 1, False), ("4 rows", 4, False), ("4 rows, shared blocks", 4, True))
+# (name, decode rows or 0, rows share their blocks, new tokens of an extend or 0)
+CASES = (("1 row", 1, False, 0), ("4 rows", 4, False, 0), ("4 rows, shared blocks", 4, True, 0),
+         ("turn: 52 new over 1,280", 0, False, 52))
 
 _ONE = r'''
 import json, statistics, sys, time
@@ -42,16 +45,23 @@ k = [torch.randn(blocks, bs, kv_heads, d) for _ in range(layers)]
 v = [torch.randn(blocks, bs, kv_heads, d) for _ in range(layers)]
 width = (ctx + bs - 1) // bs
 out = {}
-for name, rows, shared in cases:
+for name, rows, shared, new in cases:
     perm = torch.randperm(blocks)
-    tables = (perm[:width].repeat(rows, 1) if shared else perm[:rows * width].view(rows, width)).contiguous()
-    lens = torch.full((rows,), ctx, dtype=torch.int64)
-    q = torch.randn(rows, heads, d)
+    if new:
+        tables, lens = perm[:width].view(1, width).contiguous(), torch.tensor([1280 + new])
+        starts, q = torch.tensor([0, new]), torch.randn(new, heads, d)
+        call = lambda layer: cpu_lib.paged_extend_attention(q, k[layer], v[layer], tables, lens, starts, 0.125,
+                                                            isa=isa, threads=threads)
+    else:
+        tables = (perm[:width].repeat(rows, 1) if shared else perm[:rows * width].view(rows, width)).contiguous()
+        lens, q = torch.full((rows,), ctx, dtype=torch.int64), torch.randn(rows, heads, d)
+        call = lambda layer: cpu_lib.paged_decode_attention(q, k[layer], v[layer], tables, lens, 0.125,
+                                                            isa=isa, threads=threads)
     times = []
     for _ in range(25):
         t = time.perf_counter()
         for layer in range(layers):
-            cpu_lib.paged_decode_attention(q, k[layer], v[layer], tables, lens, 0.125, isa=isa, threads=threads)
+            call(layer)
         times.append(time.perf_counter() - t)
     out[name] = statistics.median(times) * 1000
 print(json.dumps(out))
@@ -86,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for isa in isas:
         for blocks in (2000, 400):
-            for name, _, _ in CASES:
+            for name, *_ in CASES:
                 base = [x["ms"][name] for x in runs if (x["isa"], x["blocks"], x["build"]) == (isa, blocks, "base")]
                 new = [x["ms"][name] for x in runs if (x["isa"], x["blocks"], x["build"]) == (isa, blocks, "new")]
                 rows.append([isa, blocks, name, f"{min(base):.2f}–{max(base):.2f}", f"{min(new):.2f}–{max(new):.2f}",

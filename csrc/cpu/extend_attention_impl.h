@@ -99,6 +99,14 @@ inline void value_cols(const float* const* vrow, const float* p, const float* al
   }
 }
 
+// The s-th of `steps` equal slices of `n` cache rows (`d` elements each, at offsets `at`), asked
+// for into L1.
+template <class T>
+inline void prefetch_slice(const T* cache, const int64_t* at, int64_t n, int64_t s, int64_t steps, int64_t d) {
+  for (int64_t j = n * s / steps; j < n * (s + 1) / steps; ++j)
+    for (int64_t i = 0; i < d; i += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(cache + at[j] + i, 0, 3);
+}
+
 // One unit: sequence b, KV head kvh, new tokens [tok0, tok1) of the sequence; cache elements T.
 template <class V, class T>
 void extend_unit_of(const ExtendAttention& a, int64_t b, int64_t kvh, int64_t tok0, float* scratch) {
@@ -168,9 +176,14 @@ void extend_unit_of(const ExtendAttention& a, int64_t b, int64_t kvh, int64_t to
     } else {
       widen_rows(k_cache, krow, kc);
     }
-    // the next chunk's rows into L2 while this one is computed: its blocks are anywhere in the
-    // cache, so the hardware prefetchers cannot guess them
+    // Each chunk's blocks may sit anywhere in the cache, so the hardware prefetchers cannot run
+    // ahead of the block table; the kernel asks for the rows itself. The next chunk's rows into
+    // L2 now; this chunk's value rows into L1 while it is scored, and the next chunk's key rows
+    // while the values are summed, a slice with each tile: all of a chunk's rows asked for at
+    // once filled the fill buffers, and the tiles stalled behind them.
+    int64_t next_offs[kExtendKeys], next_kc = 0;
     for_rows(c0 + kc, std::min(kend, c0 + kc + kExtendKeys), [&](int64_t, int64_t off) {
+      next_offs[next_kc++] = off;
       for (int64_t i = 0; i < d; i += 64 / static_cast<int64_t>(sizeof(T))) {  // a cache line
         __builtin_prefetch(k_cache + off + i, 0, 2);
         __builtin_prefetch(v_cache + off + i, 0, 2);
@@ -178,7 +191,10 @@ void extend_unit_of(const ExtendAttention& a, int64_t b, int64_t kvh, int64_t to
     });
     const int64_t kcp = (kc + V::KB - 1) / V::KB * V::KB;
     for (int64_t j = kc; j < kcp; ++j) krow[j] = krow[kc - 1];  // score rows never read
-    for (int64_t j0 = 0; j0 < kcp; j0 += V::KB) score_cols<V, V::KB, V::MB>(krow, qt, mp, d, s, j0, 0, nv);
+    for (int64_t j0 = 0; j0 < kcp; j0 += V::KB) {
+      prefetch_slice(v_cache, offs, kc, j0 / V::KB, kcp / V::KB, d);
+      score_cols<V, V::KB, V::MB>(krow, qt, mp, d, s, j0, 0, nv);
+    }
     // causal mask: key c0 + j > diag is hidden from the rows whose token is before it
     for (int64_t j = std::max<int64_t>(0, diag + 1 - c0); j < kc; ++j)
       std::fill(s + j * mp, s + j * mp + (c0 + j - diag) * group, neg_inf);
@@ -212,7 +228,10 @@ void extend_unit_of(const ExtendAttention& a, int64_t b, int64_t kvh, int64_t to
     }
     if constexpr (!std::is_same_v<T, float>) widen_rows(v_cache, vrow, kc);
     int64_t i0 = 0;
-    for (; i0 + V::IB <= d; i0 += V::IB) value_cols<V, V::IB, V::MB>(vrow, s, alpha, mp, kc, ot, i0, 0, nv);
+    for (; i0 + V::IB <= d; i0 += V::IB) {
+      prefetch_slice(k_cache, next_offs, next_kc, i0 / V::IB, d / V::IB, d);
+      value_cols<V, V::IB, V::MB>(vrow, s, alpha, mp, kc, ot, i0, 0, nv);
+    }
     for (; i0 < d; ++i0) value_cols<V, 1, V::MB>(vrow, s, alpha, mp, kc, ot, i0, 0, nv);
   }
   for (int64_t t = tok0; t < tok1; ++t)
