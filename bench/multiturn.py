@@ -4,6 +4,7 @@
     python bench/multiturn.py --sessions 2 --turns 3 --system-words 500 --modes colocated
     python bench/multiturn.py --no-llama --pdserve-arg=--kernels=torch
     python bench/multiturn.py --no-llama --modes pd --cache on --scale 2      # 1 vs 2 prefill workers
+    python bench/multiturn.py --no-llama --modes colocated --scale 0 --rounds 3  # the ratio's spread
 
 S sessions run at once; each sends T chat turns one after another, every turn resending the
 whole conversation so far (the shared system prompt, the user's turns, the answers), greedy
@@ -20,6 +21,11 @@ mode (`--prefill-workers N`, one decode worker), N colocated workers (`--workers
 when the sessions are spread over several caches. Their rows also show the router's routing
 decisions (`pdserve:routing_decisions_total`: to a prefix holder, away from a too busy one, by
 load).
+
+`--rounds N` runs the whole list of servers N times, one after another, so that every server
+sees the same drift of the machine. The table then gives each figure's median over the rounds,
+and the cache's ratio with its range: the ratio of each round's own cache-off and cache-on
+runs.
 """
 from __future__ import annotations
 
@@ -34,6 +40,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import re
+import statistics
 
 import httpx
 
@@ -246,6 +253,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--stop-grace", type=float, default=30.0)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1, help="run every server this many times, in turn")
     p.add_argument("--out", type=Path, default=RESULTS / "multiturn.json")
     return p.parse_args(argv)
 
@@ -259,29 +267,52 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.system_words} words; {args.output_len} output tokens", flush=True)
     if note:
         print(f"llama-server not run: {note}", flush=True)
-    results = [run_target(t, args, system) for t in servers]
-    base = {r["mode"]: r for r in results if r.get("cache") is False and "error" not in r}
+    rounds = []
+    for r in range(args.rounds):
+        if args.rounds > 1:
+            print(f"round {r + 1} of {args.rounds}", flush=True)
+        rounds.append([{**run_target(t, args, system), "round": r} for t in servers])
     headers = ["server", "TTFT turn 1 p50 s", "TTFT later p50 s", "later p90 s", "tok/s", "hit rate",
                "later hit rate", "prompt tok", "failed", "later TTFT vs cache off", "routed prefix/balance/load"]
-    rows = []
-    for r in results:
-        if "error" in r:
-            rows.append([r["label"]] + [None] * 8 + ["launch failed", None])
-            continue
-        off = base.get(r["mode"])
-        speedup = off["ttft_later_p50_s"] / r["ttft_later_p50_s"] if off and r["ttft_later_p50_s"] else None
-        routed = r.get("routing_decisions") or {}
-        rows.append([r["label"], r["ttft_first_p50_s"], r["ttft_later_p50_s"], r["ttft_later_p90_s"],
-                     r["output_tok_s"], r["hit_rate"], r["hit_rate_later"], r["mean_prompt_tokens"], r["failed"],
-                     f"{speedup:.1f}x" if speedup else None,
-                     "/".join(str(int(routed.get(k, 0))) for k in ("prefix", "balance", "load")) if routed else None])
+    rows = [_row([round_[i] for round_ in rounds], [_cache_off(round_, t.mode) for round_ in rounds])
+            for i, t in enumerate(servers)]
+    if args.rounds > 1:
+        print(f"\nmedians over {args.rounds} rounds; the ratio's range over the rounds in brackets")
     print()
     print(table(headers, rows))
     print(f"\nstart: {env['load_average']}; end: {load_average()}")
     write_json(args.out, {"benchmark": "multiturn", "args": {k: str(v) for k, v in vars(args).items()},
-                          "environment": env, "llama_server_note": note, "servers": results})
+                          "environment": env, "llama_server_note": note, "servers": [x for round_ in rounds for x in round_]})
     print(f"wrote {args.out}")
-    return 0 if all("error" not in r and not r["failed"] for r in results) else 1
+    return 0 if all("error" not in r and not r["failed"] for round_ in rounds for r in round_) else 1
+
+
+def _cache_off(results: list[dict], mode: str) -> dict | None:
+    """The one-worker cache-off run of `mode` in one round's results."""
+    return next((r for r in results if r["mode"] == mode and r.get("cache") is False and "error" not in r), None)
+
+
+def _row(runs: list[dict], offs: list[dict | None]) -> list:
+    """One server's table row: medians over its rounds' runs; the ratio of each round's own
+    cache-off run to it, as the median and (with several rounds) the range."""
+    ok = [(r, off) for r, off in zip(runs, offs) if "error" not in r]
+    if not ok:
+        return [runs[0]["label"]] + [None] * 8 + ["launch failed", None]
+    def med(key: str) -> float | None:
+        values = [r[key] for r, _ in ok if r[key] is not None]
+        return statistics.median(values) if values else None
+
+    ratios = sorted(off["ttft_later_p50_s"] / r["ttft_later_p50_s"] for r, off in ok
+                    if off and r["ttft_later_p50_s"])
+    ratio = None
+    if ratios:
+        ratio = f"{statistics.median(ratios):.1f}x" + (f" ({ratios[0]:.1f}-{ratios[-1]:.1f})" if len(ratios) > 1 else "")
+    routed = [r.get("routing_decisions") or {} for r, _ in ok]
+    return [runs[0]["label"], med("ttft_first_p50_s"), med("ttft_later_p50_s"), med("ttft_later_p90_s"),
+            med("output_tok_s"), med("hit_rate"), med("hit_rate_later"), med("mean_prompt_tokens"),
+            sum(r["failed"] for r, _ in ok), ratio,
+            "/".join(str(int(statistics.median(d.get(k, 0) for d in routed))) for k in ("prefix", "balance", "load"))
+            if any(routed) else None]
 
 
 if __name__ == "__main__":
