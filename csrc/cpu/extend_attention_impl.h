@@ -100,11 +100,10 @@ inline void value_cols(const float* const* vrow, const float* p, const float* al
 }
 
 // The s-th of `steps` equal slices of `n` cache rows (`d` elements each, at offsets `at`), asked
-// for into L1.
+// for into L1 (attention.h: prefetch_rows).
 template <class T>
 inline void prefetch_slice(const T* cache, const int64_t* at, int64_t n, int64_t s, int64_t steps, int64_t d) {
-  for (int64_t j = n * s / steps; j < n * (s + 1) / steps; ++j)
-    for (int64_t i = 0; i < d; i += 64 / static_cast<int64_t>(sizeof(T))) __builtin_prefetch(cache + at[j] + i, 0, 3);
+  for (int64_t j = n * s / steps; j < n * (s + 1) / steps; ++j) prefetch_rows(cache + at[j], 1, 0, d);
 }
 
 // One unit: sequence b, KV head kvh, new tokens [tok0, tok1) of the sequence; cache elements T.
