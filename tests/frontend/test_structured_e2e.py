@@ -7,6 +7,7 @@ extras and enforced tool choice answer as OpenAI does, streamed and not alike.
 """
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any
 
@@ -179,3 +180,41 @@ def test_enforced_tool_choice_on_the_default_model_returns_valid_calls(pd_server
     assert finish == "tool_calls" and content == ""
     assert [(c["name"], c["arguments"]) for c in streamed.values()] == \
         [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(900)
+def test_enforced_tool_choice_cut_by_max_tokens_answers_the_call_as_far_as_it_got(pd_server):
+    """A JSON call cut inside its arguments is returned with the arguments written so far and
+    finish_reason "length"; one cut inside its name is reported, not returned. Streamed the
+    same, and none of the JSON reaches content (docs/tool-calls.md, a cut call)."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = ask("What is the weather in Paris?", tools=[WEATHER], tool_choice=named, max_tokens=80)
+    whole = post(pd_server, {**body, "logprobs": True})["choices"][0]
+    assert whole["finish_reason"] == "tool_calls"
+    arguments = whole["message"]["tool_calls"][0]["function"]["arguments"]
+    # the output as the model's tokens wrote it, one prefix per token count
+    texts = list(itertools.accumulate(bytes(t["bytes"]).decode() for t in whole["logprobs"]["content"]))
+    head, name_head = '{"name":"get_weather","arguments":', '{"name":"'
+    in_args = next(n for n, text in enumerate(texts, 1) if len(text) > len(head))
+    in_name = next(n for n, text in enumerate(texts, 1) if len(text) > len(name_head))
+    assert len(texts[in_name - 1]) < len('{"name":"get_weather"') and len(texts[in_args - 1]) < len(head + arguments)
+
+    cut = post(pd_server, {**body, "max_tokens": in_args})["choices"][0]
+    so_far = texts[in_args - 1][len(head):]
+    assert arguments.startswith(so_far) and so_far != arguments
+    assert cut["finish_reason"] == "length" and not cut["message"]["content"]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in cut["message"]["tool_calls"]] == \
+        [("get_weather", so_far)]
+    content, streamed, finish = stream(pd_server, {**body, "max_tokens": in_args})
+    assert (content, finish) == ("", "length")
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == [("get_weather", so_far)]
+
+    cut = post(pd_server, {**body, "max_tokens": in_name})["choices"][0]
+    assert cut["finish_reason"] == "length" and not cut["message"]["content"]
+    assert "tool_calls" not in cut["message"]
+    assert cut["message"]["invalid_tool_calls"] == [
+        {"index": None, "name": texts[in_name - 1][len(name_head):], "text": texts[in_name - 1],
+         "reason": "truncated_call_dropped"}]
+    content, streamed, finish = stream(pd_server, {**body, "max_tokens": in_name})
+    assert (content, streamed, finish) == ("", {}, "length")
