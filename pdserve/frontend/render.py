@@ -103,13 +103,14 @@ class Renderer:
     chunk_object_name = ""
 
     def __init__(self, response_id: str, model: str, num_choices: int, prompt_tokens: int,
-                 tokenizer: Tokenizer, include_usage: bool = False) -> None:
+                 tokenizer: Tokenizer, include_usage: bool = False, continuous_usage: bool = False) -> None:
         self.id = response_id
         self.model = model
         self.created = int(time.time())
         self.prompt_tokens = prompt_tokens
         self.tokenizer = tokenizer
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage  # every chunk's usage is the count so far, not null
         self.choices = [ChoiceState() for _ in range(num_choices)]
 
     @property
@@ -126,7 +127,7 @@ class Renderer:
         out: dict[str, Any] = {"id": self.id, "object": self.chunk_object_name, "created": self.created,
                                "model": self.model, "choices": choices, **self.fingerprint()}
         if self.include_usage:
-            out["usage"] = None
+            out["usage"] = self.usage() if self.continuous_usage else None
         return out
 
     def usage_chunk(self) -> dict[str, Any]:

@@ -139,7 +139,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: C
     specs = [ChoiceSpec(i, rooms[i], prompt.ids, p) for i, p in enumerate(expand_choices(params, req.n))]
     stop, stop_ids = req.stop_list(), req.stop_token_ids or []
     renderer = ChatRenderer(f"chatcmpl-{call.request_id}", model, len(specs), len(prompt.ids),
-                            s.tokenizer, include_usage=req.include_usage, top_logprobs=req.top_n)
+                            s.tokenizer, include_usage=req.include_usage, continuous_usage=req.continuous_usage,
+                            top_logprobs=req.top_n)
     if constraint is not None and json_calls(constraint[1], s.output.profile):  # JSON calls (json_calls.py)
         return await respond(s, call, specs, lambda _: JsonCallDecoder(s.tokenizer), renderer, req.stream)
     return await respond(s, call, specs,
@@ -180,7 +181,8 @@ async def create_completion(s: Serving, req: CompletionRequest, call: Call) -> R
     stop = req.stop_list()
     renderer = CompletionRenderer(
         f"cmpl-{call.request_id}", model, len(specs), sum(len(p.ids) for p in prompts), s.tokenizer,
-        include_usage=req.include_usage, echo=echo if req.echo else None, logprobs=req.logprobs,
+        include_usage=req.include_usage, continuous_usage=req.continuous_usage, echo=echo if req.echo else None,
+        logprobs=req.logprobs,
         echo_ids=[spec.prompt_ids for spec in specs] if req.echo else None)
     return await respond(s, call, specs, lambda _: completion_decoder(s.tokenizer, stop), renderer, req.stream)
 

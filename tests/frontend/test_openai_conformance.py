@@ -94,6 +94,27 @@ def test_completions_with_every_parameter_stream_what_they_answer(client):
         assert text == c.text
 
 
+def test_continuous_usage_stats_count_the_tokens_in_every_chunk(client):
+    """vLLM's stream option: beside include_usage, every chunk's usage is the count so far;
+    without it, only the last chunk has one."""
+    for create, prompt in ((client.chat.completions.create, {"messages": messages()}),
+                           (client.completions.create, {"prompt": "Once upon a time"})):
+        for continuous in (True, False):
+            chunks = list(create(model=MODEL, max_tokens=6, temperature=0, stream=True, **prompt,
+                                 stream_options={"include_usage": True, "continuous_usage_stats": continuous}))
+            final = chunks[-1].usage
+            assert chunks[-1].choices == [] and final.completion_tokens > 0
+            if not continuous:
+                assert [k.usage for k in chunks[:-1]] == [None] * (len(chunks) - 1)
+                continue
+            counts = [k.usage.completion_tokens for k in chunks]
+            assert all(k.usage.prompt_tokens == final.prompt_tokens for k in chunks)
+            assert counts == sorted(counts) and counts[-1] == final.completion_tokens
+            finished = next(k for k in chunks if k.choices and k.choices[0].finish_reason)
+            assert finished.usage.completion_tokens == final.completion_tokens
+            assert any(k.usage.completion_tokens < final.completion_tokens for k in chunks if k.choices)
+
+
 def test_echo_prints_the_prompt_first(client):
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, echo=True)
     assert r.choices[0].text.startswith("Once upon a time")
