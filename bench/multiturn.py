@@ -22,6 +22,10 @@ when the sessions are spread over several caches. Their rows also show the route
 decisions (`pdserve:routing_decisions_total`: to a prefix holder, away from a too busy one, by
 load).
 
+`--think S` makes each session wait a random time (uniform on [0, 2S], seeded) between a turn's
+answer and its next turn, as an agent does while its tools run. By default (0) every session
+sends its next turn at once, so the sessions' turns queue behind each other.
+
 `--rounds N` runs the whole list of servers N times, one after another, so that every server
 sees the same drift of the machine. The table then gives each figure's median over the rounds,
 and the cache's ratio with its range: the ratio of each round's own cache-off and cache-on
@@ -114,10 +118,13 @@ async def chat(http: httpx.AsyncClient, model: str, messages: list[dict], out_le
 
 async def session(base_url: str, model: str, s: int, args: argparse.Namespace, system: str) -> list[Turn]:
     rng = random.Random(args.seed * 1000 + s)
+    pauses = random.Random(args.seed * 1000 + s + 500_000)  # apart, so the texts do not depend on --think
     messages = [{"role": "system", "content": system}]
     turns = []
     async with httpx.AsyncClient(base_url=base_url, timeout=args.timeout) as http:
         for k in range(args.turns):
+            if k and args.think:  # the agent's own work between turns (tools, reading)
+                await asyncio.sleep(pauses.uniform(0.0, 2.0 * args.think))
             messages.append({"role": "user", "content": text(rng, args.user_words)})
             t = Turn(s, k)
             answer = await chat(http, model, messages, args.output_len, t)
@@ -238,6 +245,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--system-words", type=int, default=1200, help="words of the shared system prompt")
     p.add_argument("--user-words", type=int, default=40, help="words of each user turn")
     p.add_argument("--output-len", type=int, default=24)
+    p.add_argument("--think", type=float, default=0.0,
+                   help="mean seconds a session waits between its turns (uniform on [0, 2×]); 0: none")
     p.add_argument("--modes", type=lambda s: s.split(","), default=["colocated", "pd"])
     p.add_argument("--cache", type=lambda s: [{"on": True, "off": False}[x] for x in s.split(",")],
                    default=[True, False], help="on,off (default): the one-worker servers to run")
@@ -264,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     servers, note = targets(args)
     env = environment()
     print(f"{load_average()}; {args.sessions} sessions × {args.turns} turns; system prompt "
-          f"{args.system_words} words; {args.output_len} output tokens", flush=True)
+          f"{args.system_words} words; {args.output_len} output tokens"
+          + (f"; {args.think:g} s between turns on average" if args.think else ""), flush=True)
     if note:
         print(f"llama-server not run: {note}", flush=True)
     rounds = []
