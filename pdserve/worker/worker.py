@@ -150,7 +150,10 @@ class Worker:
             self.runtime.run(self)
         except Exception as e:  # a failed step or a dead rank: fail every request, stop the worker
             logger.exception("the scheduler loop failed; the worker stops")
-            self.error = f"the scheduler loop failed: {e}"
+            # A rank that died usually shows first as a collective's transport error: the clients
+            # are told the cause, the log keeps the transport's own message.
+            dead = [p.name for p in self.ranks if not p.is_alive()]
+            self.error = f"TP rank process {dead[0]} died" if dead else f"the scheduler loop failed: {e}"
             self._fail_all(self.error)
             self.on_fatal()
         finally:

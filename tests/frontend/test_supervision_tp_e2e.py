@@ -124,6 +124,8 @@ def test_a_killed_follower_rank_fails_its_streams_and_the_worker_comes_back(serv
     killed = time.monotonic()
     ends = streams.join()
     assert all(e.error is not None for e in ends), [e.done for e in ends]
+    # the cause, not the collective's transport error that showed it
+    assert [e.error["message"] for e in ends] == ["TP rank process pdserve-tp1 died"] * 3
     late = max(e.ended_at for e in ends) - killed
     assert late < WITHIN_S
     wait_until("a request is served again", lambda: served(srv), BACK_WITHIN_S, 0.2)
