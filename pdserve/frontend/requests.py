@@ -38,7 +38,7 @@ from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, 
 from pdserve.frontend.render import DONE, ChatRenderer, CompletionRenderer, SSEResponse, error_event, event
 from pdserve.frontend.tools import (ToolPolicy, check_constraint, for_prompt, json_calls, output_constraint,
                                     router_grammars)
-from pdserve.frontend.workers import WorkerPool
+from pdserve.frontend.workers import Route, WorkerPool
 from pdserve.metrics import RouterMetrics
 from pdserve.structured import GrammarSpec
 from pdserve.tokenizer import Tokenizer
@@ -257,6 +257,11 @@ def expand_choices(params: SamplingParams, n: int) -> list[SamplingParams]:
 # ---- the answer ---------------------------------------------------------------------------------
 
 
+def _route_text(route: Route) -> str:
+    """`prefill -> decode` in PD, the one worker colocated."""
+    return f"{route.prefill.url} -> {route.decode.url}" if route.prefill is not None else route.decode.url
+
+
 async def respond(s: Serving, call: Call, specs: list[ChoiceSpec],
                   make_decoder: Callable[[ChoiceSpec], OutputDecoder], renderer: Renderer, stream: bool) -> Response:
     if s.calls.closing:  # the drain timeout passed while this request was being read
@@ -270,7 +275,7 @@ async def respond(s: Serving, call: Call, specs: list[ChoiceSpec],
             gen = Generation(specs, make_decoder, ticket, s.services, batch)
     logger.info("[%s] %s: %d choice(s), %d prompt tokens, stream=%s, workers %s", call.request_id,
                 call.endpoint, len(specs), renderer.prompt_tokens, stream,
-                ", ".join(sorted({r.route.decode.url for r in gen.runs})))
+                ", ".join(sorted({_route_text(r.route) for r in gen.runs})))
     gen.start()
     tracker = CallTracker(s.calls, s.metrics, call, renderer, gen)
     if stream:
