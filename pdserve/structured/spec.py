@@ -35,7 +35,9 @@ class SpecError(ValueError):
 
 
 def _json(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), sort_keys=True)
+    # Compact but in the client's key order: the grammar writes an object's properties in the
+    # order its schema lists them (as OpenAI's strict mode does), so sorting would reorder them.
+    return json.dumps(value, separators=(",", ":"))
 
 
 def from_response_format(rf: Mapping[str, Any] | None) -> GrammarSpec | None:
