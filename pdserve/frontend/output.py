@@ -24,7 +24,7 @@ from pdserve.frontend.tools import ToolPolicy
 from pdserve.parsers import (ContentDelta, Diag, Diagnostic, Event, Finish, FinishReason, Format, InvalidCall,
                              Profile, ReasoningDelta, StreamParser, ToolCallArgs, ToolCallEnd, ToolCallStart,
                              ProfileError, make_parser, resolve_profile)
-from pdserve.textstream import TextStream
+from pdserve.textstream import StopStrings, TextStream
 from pdserve.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -75,11 +75,12 @@ class OutputDecoder(Protocol):
 
 
 class TextDecoder:
-    """Plain text: special tokens are skipped, stop strings cut (never sent, not even in part)."""
+    """Plain text: special tokens are skipped, stop strings cut (never sent, not even in part,
+    unless `include_stop`)."""
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], include_stop: bool = False) -> None:
         self._tokenizer = tokenizer
-        self._text = TextStream(tokenizer, stop)
+        self._text = TextStream(tokenizer, stop, include_stop=include_stop)
         self.finish_reason: str | None = None
 
     @property
@@ -96,40 +97,13 @@ class TextDecoder:
         return OutputDelta(self._text.flush())
 
 
-class StopStrings:
-    """Cuts text at the first stop string; holds back only what could still begin one."""
-
-    def __init__(self, stop: list[str]) -> None:
-        self._stop = [s for s in stop if s]
-        self._hold = max((len(s) for s in self._stop), default=1) - 1
-        self._pending = ""
-        self.stopped = False
-
-    def push(self, text: str) -> str:
-        if self.stopped or not self._stop:
-            return "" if self.stopped else text
-        buf = self._pending + text
-        cut = min((i for i in (buf.find(s) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.stopped, self._pending = True, ""
-            return buf[:cut]
-        keep = min(self._hold, len(buf))
-        self._pending = buf[len(buf) - keep:] if keep else ""
-        return buf[:len(buf) - keep]
-
-    def release(self) -> str:
-        """The text run ended (a tool call or reasoning follows, or the stream ended)."""
-        pending, self._pending = self._pending, ""
-        return pending
-
-
 class ParsedDecoder:
     """A chat choice through the token-ID parser; stop strings apply to its content."""
 
     def __init__(self, parser: StreamParser, stop: list[str], policy: ToolPolicy | None = None,
-                 on_diagnostic: Callable[[str], None] | None = None) -> None:
+                 on_diagnostic: Callable[[str], None] | None = None, include_stop: bool = False) -> None:
         self._parser = parser
-        self._stops = StopStrings(stop)
+        self._stops = StopStrings(stop, include_stop)
         self._policy = policy
         self._on_diagnostic = on_diagnostic
         self._parser_reason: FinishReason | None = None
@@ -230,12 +204,12 @@ class ChatOutput:
         return self.profile.format is not Format.PLAIN or self.profile.think is not None
 
     def decoder(self, prompt_ids: list[int], stop: list[str], policy: ToolPolicy,
-                stop_ids: Iterable[int] = ()) -> OutputDecoder:
+                stop_ids: Iterable[int] = (), include_stop: bool = False) -> OutputDecoder:
         if not self.parsed:
-            return TextDecoder(self.tokenizer, stop)
+            return TextDecoder(self.tokenizer, stop, include_stop)
         ends = frozenset(self.tokenizer.stop_token_ids) | frozenset(stop_ids)
         options = policy.parser_options(self.profile, prompt_ids, ends, f"call_{secrets.token_hex(8)}")
-        return ParsedDecoder(make_parser(self.profile, options), stop, policy, self.on_diagnostic)
+        return ParsedDecoder(make_parser(self.profile, options), stop, policy, self.on_diagnostic, include_stop)
 
 
 def check_output_profile(model_dir: Path, override: str | None = None, tokenizer: Tokenizer | None = None) -> None:
@@ -255,5 +229,5 @@ def model_type_hint(model_dir: Path) -> str | None:
     return hint if isinstance(hint, str) else None
 
 
-def completion_decoder(tokenizer: Tokenizer, stop: list[str]) -> OutputDecoder:
-    return TextDecoder(tokenizer, stop)
+def completion_decoder(tokenizer: Tokenizer, stop: list[str], include_stop: bool = False) -> OutputDecoder:
+    return TextDecoder(tokenizer, stop, include_stop)

@@ -144,7 +144,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: C
     if constraint is not None and json_calls(constraint[1], s.output.profile):  # JSON calls (json_calls.py)
         return await respond(s, call, specs, lambda _: JsonCallDecoder(s.tokenizer), renderer, req.stream)
     return await respond(s, call, specs,
-                         lambda spec: s.output.decoder(spec.prompt_ids, stop, policy, stop_ids),
+                         lambda spec: s.output.decoder(spec.prompt_ids, stop, policy, stop_ids,
+                                                      req.include_stop_str_in_output),
                          renderer, req.stream)
 
 
@@ -178,13 +179,14 @@ async def create_completion(s: Serving, req: CompletionRequest, call: Call) -> R
             index = p * req.n + k
             specs.append(ChoiceSpec(index, rooms[index], prompt.ids, choice_params, hide_output=score))
             echo.append(prompt.text)
-    stop = req.stop_list()
+    stop, include_stop = req.stop_list(), req.include_stop_str_in_output
     renderer = CompletionRenderer(
         f"cmpl-{call.request_id}", model, len(specs), sum(len(p.ids) for p in prompts), s.tokenizer,
         include_usage=req.include_usage, continuous_usage=req.continuous_usage, echo=echo if req.echo else None,
         logprobs=req.logprobs,
         echo_ids=[spec.prompt_ids for spec in specs] if req.echo else None)
-    return await respond(s, call, specs, lambda _: completion_decoder(s.tokenizer, stop), renderer, req.stream)
+    return await respond(s, call, specs, lambda _: completion_decoder(s.tokenizer, stop, include_stop), renderer,
+                         req.stream)
 
 
 def room_ids(base: str, count: int) -> list[str]:

@@ -115,6 +115,26 @@ def test_continuous_usage_stats_count_the_tokens_in_every_chunk(client):
             assert any(k.usage.completion_tokens < final.completion_tokens for k in chunks if k.choices)
 
 
+def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(client):
+    """vLLM's extra: the text runs through the stop string it met instead of stopping before it;
+    streamed the same. The stop string is taken from the middle of a greedy answer's text."""
+    for create, prompt, text_of in (
+            (client.chat.completions.create, {"messages": messages("List three colors.")},
+             lambda c: c.message.content if hasattr(c, "message") else c.delta.content),
+            (client.completions.create, {"prompt": "Once upon a time"}, lambda c: c.text)):
+        full = text_of(create(model=MODEL, max_tokens=24, temperature=0, **prompt).choices[0])
+        stop = full[len(full) // 2:len(full) // 2 + 3]
+        cut = full.index(stop)
+        for include in (True, False):
+            kwargs = dict(model=MODEL, max_tokens=24, temperature=0, stop=[stop], **prompt,
+                          extra_body={"include_stop_str_in_output": include})
+            choice = create(**kwargs).choices[0]
+            expected = full[:cut + len(stop)] if include else full[:cut]
+            assert (text_of(choice), choice.finish_reason) == (expected, "stop"), stop
+            streamed = "".join(text_of(k.choices[0]) or "" for k in create(stream=True, **kwargs) if k.choices)
+            assert streamed == expected
+
+
 def test_echo_prints_the_prompt_first(client):
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, echo=True)
     assert r.choices[0].text.startswith("Once upon a time")
