@@ -178,6 +178,34 @@ def test_a_bound_port_is_held_from_anyone_who_picks_a_free_port():
         s.bind(("127.0.0.1", port))  # free again once the holder closes it
 
 
+def test_a_workers_connections_have_nagle_off():
+    """uvicorn serves a worker on its held socket through asyncio, which sets TCP_NODELAY only on
+    connections of a socket that says it is TCP. With Nagle on, every keep-alive answer's body
+    waited ≈ 40 ms behind its headers for the caller's delayed ACK (/health, /load, /abort)."""
+    from pdserve.ports import free_port
+    from pdserve.preflight import bind_port
+
+    async def accepted_nodelay() -> int:
+        sock = bind_port("127.0.0.1", free_port())
+        seen: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        async def on_connect(reader, writer) -> None:
+            seen.set_result(writer.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        try:
+            _, writer = await asyncio.open_connection(*sock.getsockname())
+            value = await asyncio.wait_for(seen, 10)
+            writer.close()
+            return value
+        finally:
+            server.close()
+            await server.wait_closed()
+
+    assert asyncio.run(accepted_nodelay()) == 1
+
+
 def test_check_argv_reads_only_what_it_needs(tmp_path):
     model = _model(tmp_path)
     assert check_argv(["--log-level", "INFO", "decode", "--model", model, "--tp", "2"]).startswith(
