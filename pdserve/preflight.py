@@ -162,7 +162,7 @@ def bind_port(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP, not 0: asyncio turns Nagle off (TCP_NODELAY) only on connections of a socket
     # that says it is TCP. With Nagle on, a response's body waits behind its headers for the
-    # peer's delayed ACK, ≈ 40 ms on every keep-alive call and streamed token line.
+    # caller's delayed ACK: ≈ 40 ms on every answer over a keep-alive connection.
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
