@@ -74,7 +74,7 @@ class KVLink:
             elif isinstance(ev, RoomFailed):
                 out.append(failed(ev.room, ev.reason, ev.peer_dead))
             elif isinstance(ev, RoomAborted):
-                out.append(failed(ev.room, "aborted by the peer worker"))
+                out.append(failed(ev.room, "the other worker aborted the room", aborted=True))
             elif isinstance(ev, Fenced):
                 out.append(TransferOutcome(ev.room, TransferKind.FENCED))
         return out
@@ -124,11 +124,11 @@ class KVLink:
         except Exception as e:  # a transport or layout error fails this room, never the loop
             logger.warning("room %s: cannot write KV to the decode worker: %s", rid, e, extra=about(rid))
             return self._fail(rid, str(e))
-        if not ok:
-            self._fail(rid, "the room ended before its KV was sent")
+        if not ok:  # the agent refused: the other worker aborted the room before the write
+            self._fail(rid, "the other worker aborted the room before its KV was sent", aborted=True)
 
-    def _fail(self, rid: str, error: str) -> None:
-        self._local += failed_and_fenced(rid, error)
+    def _fail(self, rid: str, error: str, aborted: bool = False) -> None:
+        self._local += failed_and_fenced(rid, error, aborted)
 
 
 def _by_reason(pairs) -> dict[str, list[str]]:
@@ -138,10 +138,10 @@ def _by_reason(pairs) -> dict[str, list[str]]:
     return out
 
 
-def failed(rid: str, error: str, peer_dead: bool = False) -> TransferOutcome:
-    return TransferOutcome(rid, TransferKind.FAILED, error=error, peer_dead=peer_dead)
+def failed(rid: str, error: str, peer_dead: bool = False, aborted: bool = False) -> TransferOutcome:
+    return TransferOutcome(rid, TransferKind.FAILED, error=error, peer_dead=peer_dead, aborted=aborted)
 
 
-def failed_and_fenced(rid: str, error: str) -> list[TransferOutcome]:
+def failed_and_fenced(rid: str, error: str, aborted: bool = False) -> list[TransferOutcome]:
     """A room this rank failed before any write could start: nothing to wait for."""
-    return [failed(rid, error), TransferOutcome(rid, TransferKind.FENCED)]
+    return [failed(rid, error, aborted=aborted), TransferOutcome(rid, TransferKind.FENCED)]

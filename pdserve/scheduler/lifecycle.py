@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from pdserve.engine.sequence import FinishReason, SequenceStatus
 
-from .plan import TransferKind
+from .plan import TransferOutcome
 
 S = SequenceStatus
 
@@ -35,8 +35,9 @@ class HeldEvent(Enum):
     ABORT = "abort"
 
     @classmethod
-    def of(cls, kind: TransferKind) -> HeldEvent:
-        return cls[kind.name]
+    def of(cls, outcome: TransferOutcome) -> HeldEvent:
+        """An agreed outcome's event; a room the other worker aborted is an abort here too."""
+        return cls.ABORT if outcome.aborted else cls[outcome.kind.name]
 
 
 class HeldMove(NamedTuple):

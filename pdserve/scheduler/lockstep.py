@@ -90,6 +90,7 @@ class _RoomReports:
     kinds: dict[int, set[TransferKind]] = field(default_factory=dict)
     token: SampledToken | None = None  # rank 0's: only rank 0 samples
     error: str | None = None           # the first failure's
+    aborted: bool = False              # the first failure's: the other worker aborted the room
     peer_dead: bool = False            # some rank's failure: the other worker died
     failed: bool = False               # FAILED was agreed (once)
 
@@ -122,7 +123,7 @@ class TransferAgreement:
                     # report before the decision says why
                     room.peer_dead |= t.peer_dead
                     if room.error is None:
-                        room.error = f"rank {obs.rank}: {t.error}"
+                        room.error, room.aborted = f"rank {obs.rank}: {t.error}", t.aborted
                 touched.append(t.request_id)
         for rid in dict.fromkeys(touched):
             out += self._decide(rid)
@@ -134,7 +135,8 @@ class TransferAgreement:
         out = []
         if not room.failed and any(TransferKind.FAILED in k for k in kinds):
             room.failed = True
-            out.append(TransferOutcome(rid, TransferKind.FAILED, error=room.error, peer_dead=room.peer_dead))
+            out.append(TransferOutcome(rid, TransferKind.FAILED, error=room.error, peer_dead=room.peer_dead,
+                                       aborted=room.aborted))
         if room.failed or any(TransferKind.FENCED in k for k in kinds):
             if all(k & _LAST_WORDS for k in kinds):  # nothing can write on any rank any more
                 out.append(TransferOutcome(rid, TransferKind.FENCED))

@@ -81,14 +81,16 @@ class TransferKind(Enum):
 @dataclass
 class TransferOutcome:
     """A room's transfer result: per rank in an observation, agreed across ranks in a plan.
-    `token` comes with ARRIVED, `error` with FAILED, and `peer_dead` when it failed because the
-    other worker's process is gone."""
+    `token` comes with ARRIVED, `error` with FAILED, `peer_dead` when it failed because the
+    other worker's process is gone, and `aborted` when the other worker aborted the room (its
+    client left): the request ends as aborted here too, not as failed."""
 
     request_id: str
     kind: TransferKind
     token: SampledToken | None = None
     error: str | None = None
     peer_dead: bool = False
+    aborted: bool = False
 
 
 @dataclass

@@ -209,7 +209,7 @@ class Scheduler:
             seq = self.held.get(t.request_id)
             if seq is None or not ends.held[t.request_id].held:
                 continue
-            move = held_step(ends.held[t.request_id], HeldEvent.of(t.kind))
+            move = held_step(ends.held[t.request_id], HeldEvent.of(t))
             ends.held[t.request_id] = move.status
             if move.status is SequenceStatus.RUNNING and not seq.stop_reason(t.token.token_id, 1):
                 ends.arrived.append(t.token)
@@ -425,7 +425,7 @@ class Scheduler:
         for t in plan.transfers:
             seq = self.held.get(t.request_id)
             if seq is not None:  # else: the room is not ours (any more): a late or duplicate outcome
-                self._move_held(seq, HeldEvent.of(t.kind), outputs, token=t.token, error=t.error,
+                self._move_held(seq, HeldEvent.of(t), outputs, token=t.token, error=t.error,
                                 peer_dead=t.peer_dead)
         for rid, reason in plan.aborted:
             seq = self.held.get(rid)
@@ -584,7 +584,8 @@ class Scheduler:
             self._release(seq)
         if move.finish is not None:
             seq.finish_reason = reason if event is HeldEvent.ABORT else move.finish
-            why = f"KV transfer failed: {error}" if event is HeldEvent.FAILED else None
+            # a plan's abort has no error; the other worker's abort of the room says so
+            why = f"KV transfer failed: {error}" if event is HeldEvent.FAILED else error
             outputs.append(StepOutput(seq.request_id, finish_reason=seq.finish_reason, error=why,
                                       peer_dead=peer_dead and event is HeldEvent.FAILED,
                                       cached_tokens=seq.cached_tokens))

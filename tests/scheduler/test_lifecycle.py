@@ -104,3 +104,32 @@ def test_the_ranks_agree_on_why_a_room_failed():
     assert agree.add([Observation(0, [TransferOutcome("r", TransferKind.WRITTEN)])]) == []
     out = agree.add([Observation(1, [TransferOutcome("r", TransferKind.FAILED, error="x", peer_dead=True)])])
     assert out == [TransferOutcome("r", TransferKind.FAILED, error="rank 1: x", peer_dead=True)]
+
+
+def test_a_room_the_other_worker_aborted_ends_as_aborted_not_failed():
+    """Its client left the other worker: here too the request is aborted (no `error` finish, no
+    failure count), and its blocks wait for the room's fence as after any failure."""
+    s = Scheduler(SchedulerConfig(block_size=4, max_model_len=64), BlockAllocator(8))
+    req = NewRequest("p", list(range(10, 19)), SamplingParams(temperature=0), kv=KVRole.PREFILL,
+                     peer=KVPeer("d", ("boot",), (0, 1, 2)))
+    s.apply(s.plan(0, Inbox(new=[req]), []))
+    s.apply(s.plan(1, Inbox(), [SampledToken("p", 5)]))
+    aborted = TransferOutcome("p", TransferKind.FAILED, error="rank 0: the other worker aborted the room",
+                              aborted=True)
+    outputs, _ = s.apply(s.plan(2, Inbox(), [], [aborted]))
+    assert [(o.finish_reason, o.error) for o in outputs] == [
+        (FinishReason.ABORT, "rank 0: the other worker aborted the room")]
+    assert s.allocator.num_used == 3  # a write may still be in flight
+    s.apply(s.plan(3, Inbox(), [], [TransferOutcome("p", TransferKind.FENCED)]))
+    assert s.allocator.num_used == 0 and not s.has_work()
+
+
+def test_the_ranks_agree_that_the_other_worker_aborted_a_room_from_the_first_failure():
+    agree = TransferAgreement(2)
+    first = agree.add([Observation(0, [TransferOutcome("r", TransferKind.FAILED, error="gone", aborted=True)]),
+                       Observation(1, [TransferOutcome("r", TransferKind.FAILED, error="io")])])
+    assert first == [TransferOutcome("r", TransferKind.FAILED, error="rank 0: gone", aborted=True)]
+    agree = TransferAgreement(2)
+    first = agree.add([Observation(0, [TransferOutcome("r", TransferKind.FAILED, error="io")]),
+                       Observation(1, [TransferOutcome("r", TransferKind.FAILED, error="gone", aborted=True)])])
+    assert first == [TransferOutcome("r", TransferKind.FAILED, error="rank 0: io")]

@@ -209,3 +209,74 @@ async def _metric_is(c: PDClient, w: WorkerProc, name: str, value: float) -> boo
 
 async def _metric_at_least(c: PDClient, w: WorkerProc, name: str, value: float) -> bool:
     return await metric(c, w, name) >= value
+
+
+async def _finished(c: PDClient, w: WorkerProc, reason: str) -> float:
+    """How many requests ended on `w` with this finish reason (pdserve:request_success_total)."""
+    text = (await c.http.get(w.url + "/metrics")).text
+    m = re.search(rf'^pdserve:request_success_total{{finished_reason="{reason}",[^}}]*}} (\S+)$', text, re.M)
+    assert m, f"no request_success_total for {reason}"
+    return float(m.group(1))
+
+
+@pytest.mark.e2e
+@pytest.mark.chaos
+@pytest.mark.timeout(600)
+def test_a_room_the_decode_worker_aborted_ends_aborted_on_the_prefill_worker(default_model_dir, reference,
+                                                                               monkeypatch):
+    """The decode worker aborts a room (its client left) while the prefill worker still works on
+    it: the prefill worker's request ends as aborted, not failed, whether the abort came before
+    its KV write (the agent refuses the write: the prefill worker's loop was wedged while the
+    abort arrived) or during it (the write is in flight: the decode worker does not poll). Only
+    the decode worker is told: the /prefill call stays open, so the room is all the prefill
+    worker hears of the abort. Before, both ended as `error` ("KV transfer failed")."""
+    ids, ref = reference
+    with monkeypatch.context() as m:
+        for name, value in FaultPlan(debug_routes=True).to_env().items():  # POST /debug/wedge
+            m.setenv(name, value)
+        prefill = start_worker("prefill", default_model_dir, wait=False)
+    decode, stall = stalled_decode(default_model_dir, monkeypatch, wait=False)
+    ready(prefill, decode)
+    try:
+        async def abort_on_decode(c: PDClient, rid: str, prompt: list[int], started) -> tuple:
+            before = [await _finished(c, prefill, r) for r in ("abort", "error")]
+            task = asyncio.create_task(c.generate(rid, prompt, {**GREEDY, "max_tokens": 64}))
+            await until(started, 120, f"{rid} under way on the prefill worker")
+            await c.http.post(decode.url + "/abort", json={"request_id": rid, "origin": "client"})
+            _, reason, _ = await task
+            return before, reason
+
+        async def run() -> None:
+            c = PDClient(prefill, decode, keep_prefills=True)
+            # the two agents know each other (a room's abort can reach the prefill worker)
+            assert (await c.generate("first", ids[0], GREEDY))[0] == ref[0]
+            # 1. before the write: the prefill worker's loop stalls as the request arrives
+            await c.http.post(prefill.url + "/debug/wedge", json={"seconds": 8})
+            before, reason = await abort_on_decode(
+                c, "refused-0", ids[0] * 20, lambda: _load(c, prefill, "in_flight", 1))
+            assert reason == "abort"
+            await until(lambda: _finished_more(c, prefill, before), 120, "the prefill worker ended refused-0")
+            assert [await _finished(c, prefill, r) for r in ("abort", "error")] == [before[0] + 1, before[1]]
+            # 2. during the write: the decode worker stops polling, so the write stays in flight
+            open(stall, "w").close()
+            before, reason = await abort_on_decode(
+                c, "inflight-0", ids[1] * 20, lambda: _metric_at_least(c, prefill, "kv_writes_in_flight", 1))
+            assert reason == "abort"
+            await until(lambda: _finished_more(c, prefill, before), 120, "the prefill worker ended inflight-0")
+            assert [await _finished(c, prefill, r) for r in ("abort", "error")] == [before[0] + 1, before[1]]
+            os.remove(stall)
+            await asyncio.gather(*c.prefills)
+
+        asyncio.run(asyncio.wait_for(run(), 400))
+        wait_for(lambda: pool_full(prefill) and pool_full(decode), 40, "both pools full")
+        wait_for(lambda: rooms_terminal(prefill) and rooms_terminal(decode), 40, "all rooms terminal")
+        tokens, reason, err = asyncio.run(PDClient(prefill, decode).generate("fresh", ids[0], GREEDY))
+        assert err is None and tokens == ref[0]
+    finally:
+        if os.path.exists(stall):
+            os.remove(stall)
+        stop_all(prefill, decode)
+
+
+async def _finished_more(c: PDClient, w: WorkerProc, before: list[float]) -> bool:
+    return [await _finished(c, w, r) for r in ("abort", "error")] != before
