@@ -102,8 +102,8 @@ class KVLink:
             for req in plan.admitted:
                 if req.kv is KVRole.DECODE:
                     source = agent_name("prefill", req.peer.worker_id, self.rank)
-                    if not self.agent.expect(req.request_id, source):
-                        self._fail(req.request_id, "the room was aborted before its KV arrived")
+                    if not self.agent.expect(req.request_id, source):  # a tombstone: aborted already
+                        self._fail(req.request_id, "the room was aborted before its KV arrived", aborted=True)
             return
         self._peers.update((r.request_id, r.peer) for r in plan.admitted)
         for out in outputs:

@@ -114,6 +114,7 @@ class StepPlan:
     transfers: list[TransferOutcome] = field(default_factory=list)
     aborted: list[tuple[str, FinishReason]] = field(default_factory=list)  # (request id, reason)
     rejected: list[tuple[str, str]] = field(default_factory=list)  # (request id, error message)
+    cancelled: list[tuple[str, FinishReason]] = field(default_factory=list)  # new, aborted in the same inbox
     admitted: list[NewRequest] = field(default_factory=list)
     deferred: list[NewRequest] = field(default_factory=list)  # decode rooms waiting for free blocks
     room_hits: dict[str, int] = field(default_factory=dict)  # admitted decode room → its cached leading blocks
@@ -125,8 +126,8 @@ class StepPlan:
 
     @property
     def idle(self) -> bool:
-        return not (self.sampled or self.transfers or self.aborted or self.rejected or self.admitted
-                    or self.batch or self.peer_dead)
+        return not (self.sampled or self.transfers or self.aborted or self.rejected or self.cancelled
+                    or self.admitted or self.batch or self.peer_dead)
 
 
 @dataclass

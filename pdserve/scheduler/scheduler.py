@@ -246,13 +246,13 @@ class Scheduler:
     def _admit(self, plan: StepPlan, inbox: Inbox, books: _Books) -> None:
         """Admit, reject or defer the new requests (a decode room takes its blocks now)."""
         seen = set(self.seqs)
-        aborted_now = {rid for rid, _ in inbox.aborts}
+        aborted_now = dict(inbox.aborts)
         for req in inbox.new:
             error = self._admission_error(req, seen)
             if error:
                 plan.rejected.append((req.request_id, error))
-            elif req.request_id in aborted_now:
-                plan.rejected.append((req.request_id, "aborted before it started"))
+            elif req.request_id in aborted_now:  # its client left already: aborted, not failed
+                plan.cancelled.append((req.request_id, aborted_now[req.request_id]))
             elif req.kv is KVRole.DECODE:
                 hit = self._room_hit(req.prompt_ids)
                 need = self._blocks_for(len(req.prompt_ids)) - len(hit)
@@ -436,6 +436,8 @@ class Scheduler:
                 self._finish(seq, reason)
         for rid, error in plan.rejected:
             outputs.append(StepOutput(rid, finish_reason=FinishReason.ERROR, error=error))
+        for rid, reason in plan.cancelled:
+            outputs.append(StepOutput(rid, finish_reason=reason))
         rooms = []
         for req in plan.admitted:
             seq = Sequence(req.request_id, list(req.prompt_ids), req.params, self.eos_token_ids,

@@ -32,7 +32,7 @@ class RandomInbox:
     """Rank 0's inbox of a harness step: 0-2 new requests (`new(request_id, rng)` makes each),
     an abort of a live request with probability `abort_p`; in the last `drain` steps, an abort
     of everything live and no admissions. Requests that end without an abort of the harness
-    (deferred, rejected) are given to `drop`, so that `live` stays short."""
+    (deferred, rejected, cancelled) are given to `drop`, so that `live` stays short."""
 
     def __init__(self, new: Callable[[str, random.Random], NewRequest], steps: int, drain: int,
                  abort_p: float, rng: random.Random | None = None):

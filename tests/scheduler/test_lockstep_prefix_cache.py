@@ -95,7 +95,7 @@ def rank_main(rank: int, port: int, results, host: bool) -> None:
         if plan.error:
             errors.append(plan.error)
             break
-        inbox.drop(rid for rid, _ in plan.rejected)
+        inbox.drop(rid for rid, _ in plan.rejected + plan.cancelled)
         sched.allocator.check_integrity()
         digests.append(state_digest(sched, ""))
     a = sched.allocator

@@ -6,7 +6,7 @@ import copy
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.sequence import KVRole
+from pdserve.engine.sequence import FinishReason, KVRole
 from pdserve.kvcache import BlockAllocator
 from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig
 from pdserve.scheduler.plan import KVPeer, SampledToken, TransferKind, TransferOutcome
@@ -91,6 +91,19 @@ def test_duplicate_and_oversized_requests_are_rejected():
     outputs, _ = s.apply(plan)
     assert {o.request_id for o in outputs if o.finish_reason == "error"} == {"a", "big", "empty"}
     assert "a" in s.seqs  # the first request with that id is untouched
+
+
+def test_a_request_aborted_in_its_own_inbox_ends_aborted_without_running():
+    """Its abort came with it (the router's /abort can overtake its submit): no error, no
+    blocks, nothing admitted."""
+    s = make(num_blocks=4)
+    plan = s.plan(0, Inbox(new=[req("a", 3), req("b", 3)], aborts=[("a", FinishReason.ABORT)]), [])
+    assert plan.cancelled == [("a", FinishReason.ABORT)] and plan.rejected == []
+    assert [r.request_id for r in plan.admitted] == ["b"]
+    outputs, _ = s.apply(plan)
+    assert [(o.request_id, o.finish_reason, o.error) for o in outputs if o.finish_reason] == \
+        [("a", FinishReason.ABORT, None)]
+    assert "a" not in s.seqs and s.allocator.num_used == 1
 
 
 def test_plan_is_deterministic():
