@@ -278,6 +278,9 @@ class RouterMetrics(_Base):
             FINISH_REASONS)
         self.aborts = self._counter("aborts", "Requests aborted, by who asked.", "origin",
                                     ABORT_ORIGINS)
+        self.request_retries = self._counter(
+            "request_retries", "Choices run again on another route after a worker failed them before "
+            "their first token.")
         self.parser_diagnostics = self._counter(
             "parser_diagnostics",
             "Output parser diagnostics (markup suppressed, malformed markup), by kind.", "kind")
@@ -309,6 +312,9 @@ class RouterMetrics(_Base):
 
     def aborted(self, origin: str) -> None:
         self._inc(self.aborts, "origin", origin, ABORT_ORIGINS)
+
+    def retried(self) -> None:
+        self.request_retries.inc()
 
     def watch_admission(self, admission) -> None:
         """Read the queue length from `admission` (a frontend.admission.Admission) at each scrape,

@@ -105,6 +105,7 @@ class _Waiter:
     n: int
     since: float
     key: PromptKey | None
+    allowed: Callable[[WorkerEndpoint], bool] | None
     future: asyncio.Future[list[Route]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -141,17 +142,19 @@ class Admission:
         """Choices admitted and not ended, router-wide (counted on the decode-side workers)."""
         return sum(len(w.inflight) + w.reserved for w in self.pool.workers if w.role is not Role.PREFILL)
 
-    def _take(self, n: int, key: PromptKey | None = None) -> list[Route] | None:
-        """Reserve routes for `n` choices of the prompt `key`, or None (nothing reserved) when
-        they do not all fit."""
+    def _take(self, n: int, key: PromptKey | None = None,
+              allowed: Callable[[WorkerEndpoint], bool] | None = None) -> list[Route] | None:
+        """Reserve routes for `n` choices of the prompt `key` on workers `allowed` (None: any),
+        or None (nothing reserved) when they do not all fit."""
         if self.config.max_running is not None and self.running() + n > self.config.max_running:
             return None
         self.routing.retain(self.pool.workers)
         placement = self.routing.placement(key)
+        fits = self.has_room if allowed is None else lambda w: self.has_room(w) and allowed(w)
         routes: list[Route] = []
         try:
             for _ in range(n):
-                route = self.pool.pick(self.has_room, placement.choose)
+                route = self.pool.pick(fits, placement.choose)
                 _reserve(route, +1)
                 routes.append(route)
         except APIError:
@@ -175,7 +178,27 @@ class Admission:
         inside the block, pick their routes from the ticket and register the choices on their
         workers; the reservations end with the block. Raises the 429 (or 503) APIError when
         refused."""
-        routes = await self._wait(n, PromptKey(prompt_ids) if prompt_ids else None)
+        async with self._admitted(n, prompt_ids, None) as ticket:
+            yield ticket
+
+    @asynccontextmanager
+    async def readmit(self, failed: Route, prompt_ids: Sequence[int]) -> AsyncIterator[Ticket]:
+        """Room for one choice that `failed` before its first token, to run it again, admitted
+        like a new request (it may wait for a restarting worker, and gets 429 or 503 as one
+        would). A worker of the failed route takes it only once it answered a probe asked after
+        the failure: the route's workers are probed at once, so a live one is eligible at once,
+        while a process that is dying (its streams reset before its port refuses) is not, nor is
+        anything else at its URL until it answers."""
+        since = self.pool.clock()
+        suspects = [w for w in failed if w is not None]
+        await self.pool.recheck(suspects)
+        async with self._admitted(1, prompt_ids, lambda w: w not in suspects or w.ok_asked_at >= since) as ticket:
+            yield ticket
+
+    @asynccontextmanager
+    async def _admitted(self, n: int, prompt_ids: Sequence[int] | None,
+                        allowed: Callable[[WorkerEndpoint], bool] | None) -> AsyncIterator[Ticket]:
+        routes = await self._wait(n, PromptKey(prompt_ids) if prompt_ids else None, allowed)
         try:
             yield Ticket(routes)
         finally:
@@ -183,14 +206,15 @@ class Admission:
                 _reserve(route, -1)
             self.wake()
 
-    async def _wait(self, n: int, key: PromptKey | None) -> list[Route]:
+    async def _wait(self, n: int, key: PromptKey | None,
+                    allowed: Callable[[WorkerEndpoint], bool] | None) -> list[Route]:
         cap = self.config.max_running
         if cap is not None and n > cap:
             self.stats.reject(Rejection.TOO_LARGE)
             raise overloaded(f"The request needs {n} sequences; this server runs at most {cap} at once.",
                              self.config.retry_after_s)
         if not self._queue:
-            routes = self._take(n, key)
+            routes = self._take(n, key, allowed)
             if routes is not None:
                 self.stats.waited(0.0)
                 return routes
@@ -201,7 +225,7 @@ class Admission:
             self.stats.reject(Rejection.QUEUE_FULL)
             raise overloaded(f"The server is overloaded: {len(self._queue)} requests are already "
                              "waiting. Retry later.", self.config.retry_after_s)
-        waiter = _Waiter(n, self.clock(), key)
+        waiter = _Waiter(n, self.clock(), key, allowed)
         self._queue.append(waiter)
         try:
             await asyncio.wait({waiter.future}, timeout=self.config.queue_timeout_s)
@@ -241,7 +265,7 @@ class Admission:
             if head.future.done():
                 self._queue.popleft()
                 continue
-            routes = self._take(head.n, head.key)
+            routes = self._take(head.n, head.key, head.allowed)
             if routes is None:
                 return
             self._queue.popleft()

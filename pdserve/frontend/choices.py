@@ -12,6 +12,11 @@ blocks; POST /prefill to the prefill worker with them (concurrently; a failed pr
 error status); then read ``TokenLine``s from decode until a finish. Colocated: /generate with
 ``prefill_url: None``.
 
+A choice whose worker fails it before its first token (the process died, refused it, or lost
+its prefill peer: a 503) has shown its client nothing, so it runs again (``Services.retries``
+times at most) on the route admission gives it, under a new room id (the workers refuse an id they
+have seen); docs/supervision.md.
+
 Every token goes through the choice's ``OutputDecoder`` one at a time; deltas are grouped by a
 ``DeltaBatcher`` (the first token alone, then up to N per event; see ``DeltaBatcher``) and
 handed to the request as ``ChoiceEvent``s. Unless the decode worker itself reported a normal
@@ -25,9 +30,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pdserve.frontend.errors import APIError, internal, invalid, unavailable
 from pdserve.frontend.output import OutputDecoder, OutputDelta
@@ -117,6 +123,13 @@ class ChoiceEvent:
         return self.finish_reason is not None or self.error is not None
 
 
+class Placer(Protocol):
+    """Where a choice may run again: the failed route's workers looked at anew, then a route
+    admitted as for a new request (admission.py). `pick()` on what it yields gives the route."""
+
+    def readmit(self, failed: Route, prompt_ids: Sequence[int]) -> AbstractAsyncContextManager[Any]: ...
+
+
 @dataclass
 class Services:
     """What a choice needs from the router process."""
@@ -125,6 +138,9 @@ class Services:
     spawn: Callable[[Coroutine[Any, Any, Any]], None]  # run a task that outlives the request
     abort_timeout_s: float = 2.0
     on_abort: Callable[[str], None] | None = None       # metrics: the origin of each abort
+    placer: Placer | None = None                       # None: a failed choice is not run again
+    retries: int = 0                                    # how many times one choice may run again
+    on_retry: Callable[[], None] | None = None          # metrics
 
 
 class ChoiceRun:
@@ -133,30 +149,52 @@ class ChoiceRun:
     def __init__(self, spec: ChoiceSpec, route: Route, decoder: OutputDecoder,
                  emit: Callable[[ChoiceEvent], None], services: Services, stream_batch: int = 1) -> None:
         self.spec = spec
-        self.route = route
         self.decoder = decoder
-        self.emit = emit
         self.services = services
         self.batcher = DeltaBatcher(stream_batch)
         self.num_tokens = 0
         self.cached_tokens = 0  # the worker's count, from the last token line
         self.finished = False
         self.prefill_seconds: float | None = None
+        self.rid = spec.request_id      # the room id of the current attempt
+        self.attempts = 1
+        self._emit = emit
+        self._emitted = False           # an event went out: the client may have seen it
         self._worker_finished = False   # decode reported stop/length: nothing to abort
         self._failure: APIError | None = None
         self._origin = "client"         # who ended the choice, when not the decode worker
+        self._cancelled = False         # cancel() was called: the choice is not wanted any more
         self._task: asyncio.Task[None] | None = None
         self._prefill_task: asyncio.Task[None] | None = None
         self._closed = False
         self._ended = False             # the choice's last event was emitted
+        self._enter(route)
+
+    def _enter(self, route: Route) -> None:
         # Counted on the workers now, so the next pick of the same request sees this one.
+        self.route = route
+        self._on_route = True
         route.decode.inflight.add(self)
         if route.prefill is not None:
             route.prefill.inflight.add(self)
 
-    @property
-    def rid(self) -> str:
-        return self.spec.request_id
+    def _leave(self, origin: str) -> None:
+        """Leave the route's in-flight sets; abort the room unless decode finished it (or it was
+        never started). Once per route."""
+        if not self._on_route:
+            return
+        self._on_route = False
+        self.route.decode.inflight.discard(self)
+        if self.route.prefill is not None:
+            self.route.prefill.inflight.discard(self)
+        if self._prefill_task is not None and not self._prefill_task.done():
+            self._prefill_task.cancel()
+        if not self._worker_finished and self._task is not None:
+            self._abort_everywhere(origin)
+
+    def emit(self, ev: ChoiceEvent) -> None:
+        self._emitted = True
+        self._emit(ev)
 
     def start(self) -> asyncio.Task[None]:
         self._task = asyncio.create_task(self.run(), name=f"choice-{self.rid}")
@@ -180,6 +218,7 @@ class ChoiceRun:
 
     def cancel(self, origin: str = "client") -> None:
         """The request is gone: its client left ("client"), or another choice failed ("router")."""
+        self._cancelled = True
         if self._task is not None and not self._task.done():
             if self._failure is None:
                 self._origin = origin
@@ -189,18 +228,59 @@ class ChoiceRun:
 
     async def run(self) -> None:
         try:
-            await self._stream()
+            while (error := await self._attempt()) is not None:
+                if not await self._retry(error):
+                    self._end_with_error(error)
+                    return
         except asyncio.CancelledError:
             if self._failure is None:
                 raise
-            self._end_with_error(self._failure)  # we cancelled ourselves in fail()
-        except WorkerError as e:
-            error = invalid(e.message) if e.status == 400 else unavailable(e.message)
-            self._end_with_error(self._failed_by_worker(error))
-        except APIError as e:
-            self._end_with_error(self._failed_by_worker(e))
+            self._end_with_error(self._failure)  # fail() while a retry waited for a route
         finally:
             self.close()
+
+    async def _attempt(self) -> APIError | None:
+        """The choice on its current route: None once it finished, else why it failed."""
+        try:
+            await self._stream()
+            return None
+        except asyncio.CancelledError:
+            if self._failure is None:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # we cancelled ourselves in fail(): an outcome, not the task's end
+            return self._failure
+        except WorkerError as e:
+            return self._failed_by_worker(invalid(e.message) if e.status == 400 else unavailable(e.message))
+        except APIError as e:
+            return self._failed_by_worker(e)
+
+    async def _retry(self, error: APIError) -> bool:
+        """Start the choice again elsewhere when its failure cost the client nothing: a worker
+        failed it (503) before its first event. True once it runs on a new route."""
+        placer = self.services.placer
+        if (placer is None or self.attempts > self.services.retries or self._emitted or self._cancelled
+                or error.status != 503 or self._origin != "peer"):
+            return False
+        failed = self.route
+        self._leave("peer")
+        self.rid = f"{self.spec.request_id}~r{self.attempts}"
+        self.attempts += 1
+        self._failure, self._origin, self._prefill_task = None, "client", None
+        logger.warning("[%s] %s failed before its first token (%s); running it again as %s",
+                       self.spec.request_id, route_text(failed), error.message, self.rid)
+        try:
+            async with placer.readmit(failed, self.spec.prompt_ids) as ticket:
+                self._enter(ticket.pick())
+        except APIError as refused:
+            logger.warning("[%s] no route to run it again: %s", self.spec.request_id, refused.message)
+            self._failure, self._origin = error, "peer"
+            return False
+        if self.services.on_retry is not None:
+            self.services.on_retry()
+        logger.info("[%s] running again on %s", self.rid, route_text(self.route))
+        return True
 
     def _failed_by_worker(self, error: APIError) -> APIError:
         if self._failure is None:
@@ -208,18 +288,12 @@ class ChoiceRun:
         return self._failure
 
     def close(self) -> None:
-        """Leave the workers' in-flight sets; abort the room unless decode finished it (or it
-        was never started). Idempotent."""
+        """The choice is over: leave its route (abort its room unless decode finished it).
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self.route.decode.inflight.discard(self)
-        if self.route.prefill is not None:
-            self.route.prefill.inflight.discard(self)
-        if self._prefill_task is not None and not self._prefill_task.done():
-            self._prefill_task.cancel()
-        if not self._worker_finished and self._task is not None:
-            self._abort_everywhere("router" if self.finished else self._origin)
+        self._leave("router" if self.finished else self._origin)
 
     # ---- the PD flow -----------------------------------------------------------------------------
 
@@ -313,11 +387,16 @@ class ChoiceRun:
         logger.info("[%s] aborting on %s (origin: %s)", self.rid, ", ".join(urls), origin)
         if self.services.on_abort is not None:
             self.services.on_abort(origin)
-        self.services.spawn(self._send_aborts(urls, origin))
+        self.services.spawn(self._send_aborts(urls, self.rid, origin))
 
-    async def _send_aborts(self, urls: list[str], origin: str) -> None:
+    async def _send_aborts(self, urls: list[str], rid: str, origin: str) -> None:
         client, timeout = self.services.client, self.services.abort_timeout_s
-        await asyncio.gather(*(client.abort(u, self.rid, timeout, origin) for u in urls))
+        await asyncio.gather(*(client.abort(u, rid, timeout, origin) for u in urls))
+
+
+def route_text(route: Route) -> str:
+    """`prefill -> decode` in PD, the one worker colocated."""
+    return f"{route.prefill.url} -> {route.decode.url}" if route.prefill is not None else route.decode.url
 
 
 class Generation:

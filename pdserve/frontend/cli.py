@@ -92,6 +92,9 @@ def add_admission_flags(p: argparse.ArgumentParser) -> None:
                    help="a worker silent this long gets no new requests; those on it go on")
     a.add_argument("--dead-after", type=float, default=30.0, metavar="S",
                    help="a worker silent this long is dead: its requests fail (a refused port fails them at once)")
+    a.add_argument("--retries", type=int, default=1, metavar="N",
+                   help="run a request again on another worker (or the restarted one) when its worker "
+                        "dies or refuses it before its first token, up to N times (0: never)")
     a.add_argument("--internal-token", default=None, metavar="TOKEN",
                    help="shared secret of the workers' internal API, sent on every call to them "
                         "(default: $PDSERVE_INTERNAL_TOKEN)")
@@ -146,7 +149,7 @@ def router_config(args: argparse.Namespace, model_dir: Path, prefill: list[str],
                         worker_capacity=args.worker_capacity, max_running=args.max_running,
                         routing=getattr(args, "routing", "cache-aware"),
                         slow_after_s=args.slow_after, dead_after_s=args.dead_after,
-                        internal_token=internal_token(args))
+                        retries=args.retries, internal_token=internal_token(args))
 
 
 def api_key(args: argparse.Namespace) -> str | None:

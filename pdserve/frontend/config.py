@@ -34,6 +34,7 @@ class RouterConfig:
     worker_capacity: int | None = None    # choices per worker (None: 2 × its max_num_seqs)
     max_running: int | None = None        # choices running router-wide (None: the workers' sum)
     routing: str = "cache-aware"          # cache-aware | least-loaded (routing.py)
+    retries: int = 1                      # a choice failed by its worker before its first token runs again
     internal_token: str | None = None     # sent to the workers' internal API (PDSERVE_INTERNAL_TOKEN)
     wedged_grace_s: float = 30.0          # a worker reporting "wedged" this long: in-flight failed
     abort_timeout_s: float = 2.0
@@ -45,6 +46,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.stream_batch < 1:
             raise ValueError("stream_batch must be >= 1")
+        if self.retries < 0:
+            raise ValueError("retries must be >= 0")
         colocated = self.worker_urls or self.discover_worker
         if not colocated and not ((self.prefill_urls or self.discover_prefill)
                                   and (self.decode_urls or self.discover_decode)):

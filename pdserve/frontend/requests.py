@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pdserve.frontend.choices import ChoiceEvent, ChoiceSpec, Generation, Services
+from pdserve.frontend.choices import ChoiceEvent, ChoiceSpec, Generation, Services, route_text
 from pdserve.frontend.admission import Admission
 from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.errors import RETRY_AFTER_S, APIError, context_too_long, invalid, model_not_found, unavailable
@@ -38,7 +38,7 @@ from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, 
 from pdserve.frontend.render import DONE, ChatRenderer, CompletionRenderer, SSEResponse, error_event, event
 from pdserve.frontend.tools import (ToolPolicy, check_constraint, for_prompt, json_calls, output_constraint,
                                     router_grammars)
-from pdserve.frontend.workers import Route, WorkerPool
+from pdserve.frontend.workers import WorkerPool
 from pdserve.metrics import RouterMetrics
 from pdserve.structured import GrammarSpec
 from pdserve.tokenizer import Tokenizer
@@ -259,11 +259,6 @@ def expand_choices(params: SamplingParams, n: int) -> list[SamplingParams]:
 # ---- the answer ---------------------------------------------------------------------------------
 
 
-def _route_text(route: Route) -> str:
-    """`prefill -> decode` in PD, the one worker colocated."""
-    return f"{route.prefill.url} -> {route.decode.url}" if route.prefill is not None else route.decode.url
-
-
 async def respond(s: Serving, call: Call, specs: list[ChoiceSpec],
                   make_decoder: Callable[[ChoiceSpec], OutputDecoder], renderer: Renderer, stream: bool) -> Response:
     if s.calls.closing:  # the drain timeout passed while this request was being read
@@ -277,7 +272,7 @@ async def respond(s: Serving, call: Call, specs: list[ChoiceSpec],
             gen = Generation(specs, make_decoder, ticket, s.services, batch)
     logger.info("[%s] %s: %d choice(s), %d prompt tokens, stream=%s, workers %s", call.request_id,
                 call.endpoint, len(specs), renderer.prompt_tokens, stream,
-                ", ".join(sorted({_route_text(r.route) for r in gen.runs})))
+                ", ".join(sorted({route_text(r.route) for r in gen.runs})))
     gen.start()
     tracker = CallTracker(s.calls, s.metrics, call, renderer, gen)
     if stream:

@@ -66,7 +66,8 @@ class Router:
         self.discovery = Discovery(self.pool, targets, config.discover_interval_s) if targets else None
         self.pool.orchestrated = {t.role for t in targets}  # their pods come back when they die
         self.calls = Calls()
-        services = Services(self.client, self.spawn, config.abort_timeout_s, self.metrics.aborted)
+        services = Services(self.client, self.spawn, config.abort_timeout_s, self.metrics.aborted,
+                            placer=self.admission, retries=config.retries, on_retry=self.metrics.retried)
         self.serving = Serving(config, tokenizer, PromptBuilder(tokenizer, config.inline_tokenize_chars), output,
                                self.pool, services, self.metrics, self.calls, _model_context(config),
                                self.admission)

@@ -91,6 +91,8 @@ class WorkerEndpoint:
     restarting: bool = False    # dead, and its supervisor is restarting it: requests may wait for it
     load_step: int | None = None  # its step counter when `load` was read (/load changes only in a step)
     known: Info | None = None   # the last /info read, kept after it died: which process a notice names
+    down_at: float = float("-inf")  # when it was last found dead: answers to older questions are stale
+    ok_asked_at: float = float("-inf")  # when the last question it answered "ok" was asked
 
     @property
     def incarnation(self) -> str | None:
@@ -318,6 +320,10 @@ class WorkerPool:
     async def probe_all(self) -> None:
         await asyncio.gather(*(self.probe(w) for w in list(self.workers)))
 
+    async def recheck(self, workers: Iterable[WorkerEndpoint]) -> None:
+        """Probe `workers` now: a request just failed on them."""
+        await asyncio.gather(*(self._probe_safely(w) for w in workers))
+
     # ---- membership ----------------------------------------------------------------------------
 
     def sync(self, source: str, role: Role, urls: Iterable[str]) -> list[WorkerEndpoint]:
@@ -353,8 +359,9 @@ class WorkerPool:
         return now - (w.asked_since if w.asked_since is not None else w.last_ok)
 
     async def probe(self, w: WorkerEndpoint) -> None:
+        asked_at = self.clock()
         if w.asked_since is None:
-            w.asked_since = self.clock()
+            w.asked_since = asked_at
         probe = await self.client.health(w.url, self.timeout_s)
         answered_at = self.clock()
         if probe.ok and w.info is None:
@@ -374,12 +381,17 @@ class WorkerPool:
             load = await self.client.load(w.url, self.timeout_s)
             if load is not None:
                 w.load, w.load_step = load, probe.step
-        self.observe(w, probe, answered_at)
+        self.observe(w, probe, answered_at, asked_at)
         self._changed()
 
-    def observe(self, w: WorkerEndpoint, probe: Probe, answered_at: float | None = None) -> None:
-        """Apply one probe result to a worker (pure state change; no I/O)."""
+    def observe(self, w: WorkerEndpoint, probe: Probe, answered_at: float | None = None,
+                asked_at: float | None = None) -> None:
+        """Apply one probe result to a worker (pure state change; no I/O). A good answer to a
+        question asked before the worker was found dead is ignored: the process that gave it is
+        gone (its probe's /load call outlived it), and it must not put the worker back."""
         now = self.clock()
+        if probe.ok and asked_at is not None and asked_at < w.down_at:
+            return
         at = now if answered_at is None else answered_at
         was = (w.healthy, w.draining, w.slow)
         w.status = probe.status
@@ -389,6 +401,8 @@ class WorkerPool:
             w.asked_since = None
         if probe.ok or (probe.answered and probe.status == "draining"):
             w.healthy, w.draining, w.last_ok = True, probe.status == "draining", max(w.last_ok, at)
+            if probe.ok:
+                w.ok_asked_at = max(w.ok_asked_at, now if asked_at is None else asked_at)
             w.slow = w.restarting = False
         elif probe.answered and probe.status == "wedged":
             # Its loop made no step for a while: no new requests. A long step under load looks
@@ -399,10 +413,12 @@ class WorkerPool:
         elif probe.answered or probe.status == "refused":
             # It says it failed, or its port is closed (the process is gone): dead now.
             w.healthy = w.draining = w.slow = False
+            w.down_at = now
             self.fail_inflight(w, what)
         elif silence >= self.dead_after_s:
             # Silence past the bound: a process that answers nothing for this long is dead to us.
             w.healthy = w.draining = w.slow = False
+            w.down_at = now
             self.fail_inflight(w, f"worker {w.url} ({w.role.value}) did not answer for {silence:.0f} s "
                                   f"(the bound is {self.dead_after_s:g} s)")
         elif silence >= self.slow_after_s and w.healthy:

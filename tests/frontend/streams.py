@@ -20,6 +20,7 @@ class StreamEnd:
     events: int = 0                 # data events before the end
     ended_at: float = 0.0           # time.monotonic() of the last line
     cut: str | None = None          # how it broke, when it ended with neither
+    text: str = ""                  # the first choice's content, as streamed
 
     def assert_clean(self) -> None:
         assert self.cut is None and (self.done or self.error is not None), \
@@ -49,6 +50,9 @@ def read_stream(url: str, body: dict, started: threading.Event | None = None, af
                     end.error = obj["error"]
                     break
                 end.events += 1
+                for choice in obj.get("choices", []):
+                    if choice.get("index", 0) == 0:
+                        end.text += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
                 if started is not None and end.events >= after:
                     started.set()
     except httpx.HTTPError as e:

@@ -332,6 +332,22 @@ def test_a_failed_worker_fails_its_requests_at_once_and_is_back_when_healthy():
     assert decode.healthy and pool.ready
 
 
+def test_an_answer_to_a_question_asked_before_the_worker_died_does_not_put_it_back():
+    """A probe asks /health, then /load; the process may die between the two. Its good answer
+    then lands after the refused port was seen (by another probe, the supervisor or a retry)."""
+    clock = Clock()
+    pool = _pool(clock=clock)
+    decode = pool.of_role(Role.DECODE)[0]
+    asked = clock.t
+    clock.t += 0.1
+    pool.observe(decode, Probe(False, "refused"))
+    clock.t += 0.1
+    pool.observe(decode, Probe(True, "ok"), asked_at=asked)
+    assert not decode.healthy and not pool.ready
+    pool.observe(decode, Probe(True, "ok"), asked_at=clock.t)  # a new process answers a new question
+    assert decode.healthy and pool.ready
+
+
 def test_a_draining_worker_keeps_its_requests_but_gets_no_new_ones():
     pool = _pool(decode=2)
     d0, d1 = pool.of_role(Role.DECODE)
