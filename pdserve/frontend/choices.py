@@ -12,10 +12,11 @@ blocks; POST /prefill to the prefill worker with them (concurrently; a failed pr
 error status); then read ``TokenLine``s from decode until a finish. Colocated: /generate with
 ``prefill_url: None``.
 
-A choice whose worker fails it before its first token (the process died, refused it, or lost
-its prefill peer: a 503) has shown its client nothing, so it runs again (``Services.retries``
-times at most) on the route admission gives it, under a new room id (the workers refuse an id they
-have seen); docs/supervision.md.
+A choice whose worker fails it (the process died, refused it, or lost its prefill peer: a 503)
+runs again, ``Services.retries`` times at most, on the route admission gives it, under a new room
+id (the workers refuse an id they have seen): from the start when the client has seen nothing of
+it, else from its last token, the tokens so far appended to the prompt, when that changes nothing
+for what follows (``ChoiceRun.resumable``); docs/supervision.md.
 
 Every token goes through the choice's ``OutputDecoder`` one at a time; deltas are grouped by a
 ``DeltaBatcher`` (the first token alone, then up to N per event; see ``DeltaBatcher``) and
@@ -28,6 +29,7 @@ failed or died), "drain" (the router shut down before the choice finished).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -156,7 +158,9 @@ class ChoiceRun:
         self.cached_tokens = 0  # the worker's count, from the last token line
         self.finished = False
         self.prefill_seconds: float | None = None
-        self.rid = spec.request_id      # the room id of the current attempt
+        self.rid = spec.request_id      # the room id of the current attempt, and what it asks
+        self.prompt_ids, self.params = spec.prompt_ids, spec.params
+        self.output_ids: list[int] = []  # every token the workers sent
         self.attempts = 1
         self._emit = emit
         self._emitted = False           # an event went out: the client may have seen it
@@ -256,22 +260,42 @@ class ChoiceRun:
         except APIError as e:
             return self._failed_by_worker(e)
 
+    @property
+    def resumable(self) -> bool:
+        """Whether the choice can go on from its last token elsewhere, its tokens so far appended
+        to the prompt. The next token's distribution is then the same unless the sampling depends
+        on which tokens are output (presence and frequency penalties, a grammar's state) or on
+        how many draws a seeded generator made; a repetition penalty counts prompt and output
+        alike. Greedy choices go on exactly (up to near-ties: the tokens' KV is now computed as a
+        prompt)."""
+        p = self.spec.params
+        return (not self.spec.hide_output and p.structured is None and not p.presence_penalty
+                and not p.frequency_penalty and (p.seed is None or p.temperature == 0)
+                and len(self.output_ids) < p.max_tokens)
+
     async def _retry(self, error: APIError) -> bool:
-        """Start the choice again elsewhere when its failure cost the client nothing: a worker
-        failed it (503) before its first event. True once it runs on a new route."""
+        """Run the choice again elsewhere when a worker failed it (503): from the start when
+        nothing of it went out, else from its last token when it is `resumable`. True once it
+        runs on a new route."""
         placer = self.services.placer
-        if (placer is None or self.attempts > self.services.retries or self._emitted or self._cancelled
-                or error.status != 503 or self._origin != "peer"):
+        started = bool(self.output_ids) or self._emitted  # the decoder has seen tokens: no start over
+        if (placer is None or self.attempts > self.services.retries or self._cancelled
+                or error.status != 503 or self._origin != "peer" or (started and not self.resumable)):
             return False
         failed = self.route
         self._leave("peer")
         self.rid = f"{self.spec.request_id}~r{self.attempts}"
         self.attempts += 1
         self._failure, self._origin, self._prefill_task = None, "client", None
-        logger.warning("[%s] %s failed before its first token (%s); running it again as %s",
-                       self.spec.request_id, route_text(failed), error.message, self.rid)
+        if started:
+            n, p = len(self.output_ids), self.spec.params
+            self.prompt_ids = [*self.spec.prompt_ids, *self.output_ids]
+            self.params = dataclasses.replace(p, max_tokens=p.max_tokens - n, min_tokens=max(0, p.min_tokens - n),
+                                              prompt_logprobs=None)
+        logger.warning("[%s] %s failed after %d token(s) (%s); going on as %s", self.spec.request_id,
+                       route_text(failed), len(self.output_ids), error.message, self.rid)
         try:
-            async with placer.readmit(failed, self.spec.prompt_ids) as ticket:
+            async with placer.readmit(failed, self.prompt_ids) as ticket:
                 self._enter(ticket.pick())
         except APIError as refused:
             logger.warning("[%s] no route to run it again: %s", self.spec.request_id, refused.message)
@@ -299,7 +323,7 @@ class ChoiceRun:
 
     async def _stream(self) -> None:
         decode, prefill = self.route
-        body = GenerateRequest(request_id=self.rid, prompt_ids=self.spec.prompt_ids, params=self.spec.params,
+        body = GenerateRequest(request_id=self.rid, prompt_ids=self.prompt_ids, params=self.params,
                                prefill_url=prefill.url if prefill is not None else None,
                                prefill_worker_id=prefill.worker_id if prefill is not None else None,
                                prefill_incarnation=prefill.incarnation if prefill is not None else None)
@@ -316,7 +340,7 @@ class ChoiceRun:
         if prefill is None or self._prefill_task is not None:
             logger.warning("[%s] unexpected room line from %s; ignored", self.rid, self.route.decode.url)
             return
-        body = PrefillRequest(request_id=self.rid, prompt_ids=self.spec.prompt_ids, params=self.spec.params,
+        body = PrefillRequest(request_id=self.rid, prompt_ids=self.prompt_ids, params=self.params,
                               decode=DecodeTarget(worker_id=room.worker_id,
                                                   decode_url=room.decode_url or self.route.decode.url,
                                                   blocks=room.blocks, incarnation=self.route.decode.incarnation,
@@ -346,6 +370,7 @@ class ChoiceRun:
     def _on_tokens(self, line: TokenLine) -> bool:
         """Feed one token line; True once the choice is over."""
         logprobs = line.logprobs or []
+        self.output_ids += line.token_ids
         if line.prompt_logprobs is not None:
             self.batcher.add_prompt(line.prompt_logprobs)
         for k, token_id in enumerate([] if self.spec.hide_output else line.token_ids):
@@ -360,7 +385,8 @@ class ChoiceRun:
                 return True
         reason = line.finish_reason
         if reason is not None and reason.normal:
-            self.cached_tokens = line.cached_tokens or 0
+            # a choice that went on elsewhere: the worker counts its tokens so far as prompt
+            self.cached_tokens = min(line.cached_tokens or 0, len(self.spec.prompt_ids))
             self._worker_finished = True
             self._finish("length" if self.spec.hide_output else reason.value)
             return True

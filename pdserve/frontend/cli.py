@@ -94,7 +94,8 @@ def add_admission_flags(p: argparse.ArgumentParser) -> None:
                    help="a worker silent this long is dead: its requests fail (a refused port fails them at once)")
     a.add_argument("--retries", type=int, default=1, metavar="N",
                    help="run a request again on another worker (or the restarted one) when its worker "
-                        "dies or refuses it before its first token, up to N times (0: never)")
+                        "dies or refuses it: from the start, or from its last token when its sampling "
+                        "allows; up to N times (0: never)")
     a.add_argument("--internal-token", default=None, metavar="TOKEN",
                    help="shared secret of the workers' internal API, sent on every call to them "
                         "(default: $PDSERVE_INTERNAL_TOKEN)")

@@ -42,6 +42,7 @@ from pdserve.worker_api import Info, Load, PeerDead, Role
 
 logger = logging.getLogger(__name__)
 MAX_PENDING_PROBES = 4  # per worker: a worker that hangs holds at most this many probes open
+RECHECK_TIMEOUT_S = 0.5  # a probe after a request failed on the worker: how long to wait for its answer
 
 
 class InFlight(Protocol):
@@ -311,9 +312,9 @@ class WorkerPool:
             self._drop_retired()
             self._changed()  # a queued request waits for time as well as for room
 
-    async def _probe_safely(self, w: WorkerEndpoint) -> None:
+    async def _probe_safely(self, w: WorkerEndpoint, timeout_s: float | None = None) -> None:
         try:
-            await self.probe(w)
+            await self.probe(w, timeout_s)
         except Exception:  # a probe must never end the poller
             logger.exception("probing worker %s failed", w.url)
 
@@ -321,8 +322,11 @@ class WorkerPool:
         await asyncio.gather(*(self.probe(w) for w in list(self.workers)))
 
     async def recheck(self, workers: Iterable[WorkerEndpoint]) -> None:
-        """Probe `workers` now: a request just failed on them."""
-        await asyncio.gather(*(self._probe_safely(w) for w in workers))
+        """Probe `workers` now, those not already out of rotation: a request just failed on them.
+        A live worker answers in ms and a dead one refuses at once; one that hangs is not waited
+        for (RECHECK_TIMEOUT_S)."""
+        timeout_s = min(self.timeout_s, RECHECK_TIMEOUT_S)
+        await asyncio.gather(*(self._probe_safely(w, timeout_s) for w in workers if w.healthy))
 
     # ---- membership ----------------------------------------------------------------------------
 
@@ -358,14 +362,15 @@ class WorkerPool:
         pending): the time it takes to answer, not how often it is asked."""
         return now - (w.asked_since if w.asked_since is not None else w.last_ok)
 
-    async def probe(self, w: WorkerEndpoint) -> None:
+    async def probe(self, w: WorkerEndpoint, timeout_s: float | None = None) -> None:
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         asked_at = self.clock()
         if w.asked_since is None:
             w.asked_since = asked_at
-        probe = await self.client.health(w.url, self.timeout_s)
+        probe = await self.client.health(w.url, timeout_s)
         answered_at = self.clock()
         if probe.ok and w.info is None:
-            w.info = await self.client.info(w.url, self.timeout_s)
+            w.info = await self.client.info(w.url, timeout_s)
             if w.info is not None:
                 before, w.known = w.known, w.info
                 if before is not None and before.incarnation and before.incarnation != w.info.incarnation:
@@ -378,7 +383,7 @@ class WorkerPool:
         # renew), a worker whose step counter did not move is not asked again (idle CPU)
         fresh = not (w.inflight or w.reserved) and probe.step is not None and probe.step == w.load_step
         if probe.answered and not fresh:  # draining or wedged too: /load also renews its lease on our requests
-            load = await self.client.load(w.url, self.timeout_s)
+            load = await self.client.load(w.url, timeout_s)
             if load is not None:
                 w.load, w.load_step = load, probe.step
         self.observe(w, probe, answered_at, asked_at)

@@ -44,6 +44,8 @@ EXPECTED = {
     "admission_queue_length": "gauge", "admission_queue_seconds": "histogram", "admission_rejections": "counter",
     # cache-aware routing (issue 15)
     "routing_decisions": "counter",
+    # choices the router ran again after a worker failed them
+    "request_retries": "counter",
 }
 
 

@@ -58,8 +58,10 @@ def tiny_chat_model(default_model_dir: str, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def server(tiny_chat_model: str) -> Iterator[Server]:
+    # --retries 0: what these tests pin is the workers' side of a death (the rooms, the blocks,
+    # the cause), which a router running the requests again elsewhere would hide
     srv = start_server("--mode", "pd", "--model", tiny_chat_model, "--served-model-name", MODEL, "--tp", "2",
-                       "--restart-backoff", "0.2", "--restart-window", "600")
+                       "--restart-backoff", "0.2", "--restart-window", "600", "--retries", "0")
     yield srv
     stop_server(srv.proc)
 
