@@ -162,8 +162,7 @@ class ChoiceRun:
         self.prompt_ids, self.params = spec.prompt_ids, spec.params
         self.output_ids: list[int] = []  # every token the workers sent
         self.attempts = 1
-        self._emit = emit
-        self._emitted = False           # an event went out: the client may have seen it
+        self.emit = emit
         self._worker_finished = False   # decode reported stop/length: nothing to abort
         self._failure: APIError | None = None
         self._origin = "client"         # who ended the choice, when not the decode worker
@@ -195,10 +194,6 @@ class ChoiceRun:
             self._prefill_task.cancel()
         if not self._worker_finished and self._task is not None:
             self._abort_everywhere(origin)
-
-    def emit(self, ev: ChoiceEvent) -> None:
-        self._emitted = True
-        self._emit(ev)
 
     def start(self) -> asyncio.Task[None]:
         self._task = asyncio.create_task(self.run(), name=f"choice-{self.rid}")
@@ -278,7 +273,7 @@ class ChoiceRun:
         nothing of it went out, else from its last token when it is `resumable`. True once it
         runs on a new route."""
         placer = self.services.placer
-        started = bool(self.output_ids) or self._emitted  # the decoder has seen tokens: no start over
+        started = bool(self.output_ids)  # the decoder (and maybe the client) has seen tokens
         if (placer is None or self.attempts > self.services.retries or self._cancelled
                 or error.status != 503 or self._origin != "peer" or (started and not self.resumable)):
             return False
