@@ -86,6 +86,11 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; N: the sampled token's plus the top N
     prompt_logprobs: int | None = None  # None: none; N: each prompt token's (after the first) + top N
     structured: GrammarSpec | None = None  # None: unconstrained; else only its grammar's tokens
+    # the prompt's last N ids are this choice's own output from an earlier attempt (the router
+    # goes on elsewhere when a worker failed it): penalties count them, a grammar has read them,
+    # and a seed draws as if they had been drawn here; max_tokens and min_tokens count only
+    # the tokens still to come
+    resumed_tokens: int = 0
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -107,6 +112,8 @@ class SamplingParams:
             raise ValueError("logprobs must be in [0, 20]")
         if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
             raise ValueError("prompt_logprobs must be in [0, 20]")
+        if self.resumed_tokens < 0:
+            raise ValueError("resumed_tokens must be >= 0")
 
     @property
     def greedy(self) -> bool:
@@ -231,6 +238,9 @@ class RoomLine(_Message):
     """The first line of a PD /generate stream: the room's blocks are allocated."""
 
     room: Room
+
+
+LOGPROB_FLOOR = -9999.0  # a logprob of -inf (a token a grammar rules out) as sent: JSON has no -inf
 
 
 class TokenLogprob(_Message):

@@ -150,6 +150,8 @@ class LLMEngine:
         params.validate()
         if not prompt_ids:
             raise ValueError("the prompt is empty")
+        if params.resumed_tokens >= len(prompt_ids):
+            raise ValueError("resumed_tokens must be below the prompt's length (a prompt token precedes the output)")
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             bad = next(t for t in prompt_ids if not 0 <= t < self.vocab_size)
             raise ValueError(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})")

@@ -159,7 +159,10 @@ class ModelRunner:
         if not sample_tokens:
             return []
         seqs = [batch[i][0] for i in ends]
-        sampled = sample(logits, seqs, self.grammars, masks)
+        # the token sampled after a chunk is its sequence's token number start + n (overlap: the
+        # chunk may end on a placeholder, which output_ids does not hold yet)
+        outputs = [batch[i][1] + batch[i][2] - len(batch[i][0].prompt_ids) for i in ends]
+        sampled = sample(logits, seqs, self.grammars, masks, outputs)
         return [SampledToken(seq.request_id, tok, lp) for seq, (tok, lp) in zip(seqs, sampled)]
 
 

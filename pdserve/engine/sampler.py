@@ -4,7 +4,12 @@ Order: the grammar mask of constrained sequences (``pdserve.structured``: every 
 logprobs included, sees the masked distribution; EOS only where the grammar accepts), logit
 bias and min_tokens masking, then repetition/presence/frequency penalties (the
 logprobs reported are taken here, before temperature), then temperature, top-k, top-p, min-p,
-and a draw from the sequence's own generator when it has a seed (reproducible per request).
+and a draw. A seeded sequence's draw number i comes from its own generator, seeded with
+(seed, i): so a choice draws alike wherever its tokens are sampled (colocated; its first token
+on a prefill worker and the rest on a decode worker; resumed elsewhere after a worker failed).
+
+Penalties and grammars read ``Sequence.generated_ids``: with a resumed choice, that includes the
+output of its earlier attempt, which arrives as the end of the prompt.
 """
 from __future__ import annotations
 
@@ -43,12 +48,14 @@ def prepare_masks(seqs: list[Sequence], grammars: Grammars | None) -> GrammarMas
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], grammars: Grammars | None = None,
-           masks: GrammarMasks | None = None) -> list[tuple[int, TokenLogprobs | None]]:
+           masks: GrammarMasks | None = None, outputs: list[int] | None = None,
+           ) -> list[tuple[int, TokenLogprobs | None]]:
     """Sample one token for each row of `logits` `[len(seqs), vocab]`.
 
     `grammars` serves the constrained sequences (``params.structured``), whose bitmasks
     `masks` may already hold (else they are computed here); a batch without one takes none of
-    that path."""
+    that path. `outputs`: how many tokens each sequence output before this one (default: its
+    ``output_ids``, which with overlap may not hold the newest token yet)."""
     if masks is None:
         masks = prepare_masks(seqs, grammars)
     if masks is not None:
@@ -65,7 +72,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], grammars: Grammars | None
     out = []
     for i, seq in enumerate(seqs):
         row = _adjust(logits[i], seq)
-        token = _draw(row, seq)
+        token = _draw(row, seq, len(seq.output_ids) if outputs is None else outputs[i])
         out.append((token, _logprobs(row, token, seq.params.logprobs)))
     return out
 
@@ -77,7 +84,7 @@ def _fill(seqs: list[Sequence], grammars: Grammars) -> tuple[torch.Tensor, float
     t0 = time.thread_time()
     bitmask = new_bitmask(len(seqs), grammars.backend.vocab_size)
     for j, seq in enumerate(seqs):
-        spec, output = seq.params.structured, seq.output_ids
+        spec, output = seq.params.structured, seq.generated_ids
         if spec.start_after is not None:  # e.g. reasoning first: free until its end marker
             if spec.start_after not in output:
                 continue  # the row stays all ones
@@ -125,13 +132,13 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         seen = torch.tensor(sorted(set(seq.prompt_ids) | set(seq.output_ids)), dtype=torch.long)
         vals = row[seen]
         row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and seq.output_ids:
-        counts = torch.bincount(torch.tensor(seq.output_ids), minlength=row.numel())[:row.numel()]
+    if (p.presence_penalty or p.frequency_penalty) and (generated := seq.generated_ids):
+        counts = torch.bincount(torch.tensor(generated), minlength=row.numel())[:row.numel()]
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     return row
 
 
-def _draw(row: torch.Tensor, seq: Sequence) -> int:
+def _draw(row: torch.Tensor, seq: Sequence, output: int) -> int:
     p = seq.params
     if p.greedy:
         return int(row.argmax())
@@ -150,11 +157,25 @@ def _draw(row: torch.Tensor, seq: Sequence) -> int:
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
         # a vanishing temperature overflows the scaled logits (inf - inf): the limit is greedy
         return int(unscaled.argmax())
-    if seq.generator is not None and probs.device != seq.generator.device:
-        # a request's generator is made on the CPU (with its sequence, before any device is
-        # known): its draw runs there, so a seed draws alike on every device
-        probs = probs.cpu()
+    if seq.generator is not None:
+        seq.generator.manual_seed(draw_seed(p.seed, p.resumed_tokens + output))
+        if probs.device != seq.generator.device:
+            # a request's generator is made on the CPU (with its sequence, before any device is
+            # known): its draw runs there, so a seed draws alike on every device
+            probs = probs.cpu()
     return int(torch.multinomial(probs, 1, generator=seq.generator))
+
+
+_U64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The generator seed of a seeded sequence's draw number `index` (splitmix64 of the pair:
+    neighbouring seeds and indexes give unrelated streams)."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return z ^ (z >> 31)
 
 
 def _logprobs(row: torch.Tensor, token: int, top_n: int | None) -> TokenLogprobs | None:

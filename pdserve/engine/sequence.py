@@ -109,6 +109,13 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
     @property
+    def generated_ids(self) -> list[int]:
+        """This choice's output as sampling reads it: the tokens an earlier attempt output (the
+        prompt's last ``params.resumed_tokens``), then this one's."""
+        k = self.params.resumed_tokens
+        return self.prompt_ids[len(self.prompt_ids) - k:] + self.output_ids if k else self.output_ids
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 

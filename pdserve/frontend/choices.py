@@ -15,8 +15,9 @@ error status); then read ``TokenLine``s from decode until a finish. Colocated: /
 A choice whose worker fails it (the process died, refused it, or lost its prefill peer: a 503)
 runs again, ``Services.retries`` times at most, on the route admission gives it, under a new room
 id (the workers refuse an id they have seen): from the start when the client has seen nothing of
-it, else from its last token, the tokens so far appended to the prompt, when that changes nothing
-for what follows (``ChoiceRun.resumable``); docs/supervision.md.
+it, else from its last token: the tokens so far are appended to the prompt and marked as its
+output, so that penalties, a grammar and a seed go on as they were (``ChoiceRun.resumable``);
+docs/supervision.md.
 
 Every token goes through the choice's ``OutputDecoder`` one at a time; deltas are grouped by a
 ``DeltaBatcher`` (the first token alone, then up to N per event; see ``DeltaBatcher``) and
@@ -257,16 +258,12 @@ class ChoiceRun:
 
     @property
     def resumable(self) -> bool:
-        """Whether the choice can go on from its last token elsewhere, its tokens so far appended
-        to the prompt. The next token's distribution is then the same unless the sampling depends
-        on which tokens are output (presence and frequency penalties, a grammar's state) or on
-        how many draws a seeded generator made; a repetition penalty counts prompt and output
-        alike. Greedy choices go on exactly (up to near-ties: the tokens' KV is now computed as a
-        prompt)."""
-        p = self.spec.params
-        return (not self.spec.hide_output and p.structured is None and not p.presence_penalty
-                and not p.frequency_penalty and (p.seed is None or p.temperature == 0)
-                and len(self.output_ids) < p.max_tokens)
+        """Whether the choice can go on from its last token elsewhere: its tokens so far are
+        appended to the prompt and marked as its output (``SamplingParams.resumed_tokens``), so
+        the new worker's penalties count them, its grammar reads them and a seed draws on from
+        there. The next token's distribution is the same (up to near-ties: the tokens' KV is now
+        computed as a prompt). A scoring choice (max_tokens 0) shows no token to go on from."""
+        return not self.spec.hide_output and len(self.output_ids) < self.spec.params.max_tokens
 
     async def _retry(self, error: APIError) -> bool:
         """Run the choice again elsewhere when a worker failed it (503): from the start when
@@ -286,7 +283,7 @@ class ChoiceRun:
             n, p = len(self.output_ids), self.spec.params
             self.prompt_ids = [*self.spec.prompt_ids, *self.output_ids]
             self.params = dataclasses.replace(p, max_tokens=p.max_tokens - n, min_tokens=max(0, p.min_tokens - n),
-                                              prompt_logprobs=None)
+                                              prompt_logprobs=None, resumed_tokens=n)
         logger.warning("[%s] %s failed after %d token(s) (%s); going on as %s", self.spec.request_id,
                        route_text(failed), len(self.output_ids), error.message, self.rid)
         try:

@@ -18,14 +18,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
-from pdserve.engine.sequence import FinishReason as Ended
+from pdserve.engine.sequence import FinishReason as Ended, TokenLogprobs
 from pdserve.logs import REQUEST_ID, about
 from pdserve.metrics import ABORT_ORIGINS, CONTENT_TYPE
 from pdserve.scheduler.plan import KVPeer, StepOutput
-from pdserve.worker_api import (NDJSON, RETRY_AFTER_S, AbortRequest, AbortResult, Bootstrap, ErrorBody, ErrorCode,
-                                FinishReason, GenerateRequest, Health, HealthStatus, Info, Load, PeerDead,
-                                PeerDeadResult, PrefillDone, PrefillRequest, Role, Room, RoomLine, SamplingParams,
-                                TokenLine, TokenLogprob, line)
+from pdserve.worker_api import (LOGPROB_FLOOR, NDJSON, RETRY_AFTER_S, AbortRequest, AbortResult, Bootstrap,
+                                ErrorBody, ErrorCode, FinishReason, GenerateRequest, Health, HealthStatus, Info, Load,
+                                PeerDead, PeerDeadResult, PrefillDone, PrefillRequest, Role, Room, RoomLine,
+                                SamplingParams, TokenLine, TokenLogprob, line)
 
 from .lease import RouterLease
 from .peers import PeerRooms
@@ -84,15 +84,19 @@ class InternalToken:
 def output_line(out: StepOutput) -> TokenLine:
     lp = out.logprobs
     return TokenLine(token_ids=[] if out.token_id is None else [out.token_id],
-                     logprobs=None if lp is None else [TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                                                                    top=[tuple(t) for t in lp.top])],
+                     logprobs=None if lp is None else [token_logprob(lp)],
                      finish_reason=None if out.finish_reason is None else FinishReason(out.finish_reason),
                      error=out.error, peer_dead=out.peer_dead,
                      cached_tokens=out.cached_tokens if out.finish_reason else None,
                      prompt_logprobs=None if out.prompt_logprobs is None else [
-                         None if e is None else TokenLogprob(token_id=e.token_id, logprob=e.logprob,
-                                                             top=[tuple(t) for t in e.top])
-                         for e in out.prompt_logprobs])
+                         None if e is None else token_logprob(e) for e in out.prompt_logprobs])
+
+
+def token_logprob(lp: TokenLogprobs) -> TokenLogprob:
+    """A position's logprobs as sent. A token that a grammar rules out has logprob -inf, which
+    JSON cannot carry: it is sent as LOGPROB_FLOOR, as vLLM reports it."""
+    return TokenLogprob(token_id=lp.token_id, logprob=max(lp.logprob, LOGPROB_FLOOR),
+                        top=[(t, max(v, LOGPROB_FLOOR)) for t, v in lp.top])
 
 
 def build_app(worker: Worker, model_name: str, internal_token: str | None = None,

@@ -1,12 +1,15 @@
-"""Sampling: seeds repeat, top_k=1 is greedy, penalties and masks do what they say."""
+"""Sampling: seeds repeat, top_k=1 is greedy, penalties and masks do what they say, and a choice
+resumed from its tokens so far (``resumed_tokens``) samples on as it would have."""
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
-from pdserve.engine.sampler import sample
+from pdserve.engine.sampler import draw_seed, sample
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.sequence import Sequence
 
@@ -63,6 +66,49 @@ def test_stop_token_ids_end_generation(engine):
     held = run(engine, [SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop],
                                        min_tokens=8)], PROMPTS[:1])[0]
     assert len(held) == 8 and stop not in held  # min_tokens masks the stop token
+
+
+RESUMABLE = {
+    "presence": SamplingParams(temperature=0, presence_penalty=1.5, max_tokens=14, ignore_eos=True),
+    "frequency": SamplingParams(temperature=0, frequency_penalty=1.0, max_tokens=14, ignore_eos=True),
+    "seeded": SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=14, ignore_eos=True),
+}
+
+
+@pytest.mark.parametrize("kind", RESUMABLE)
+def test_a_choice_resumed_from_its_tokens_goes_on_as_it_would_have(engine, kind):
+    """What the router sends when a worker failed a choice after k tokens: the prompt with those
+    tokens appended and marked as output. Sent as a plain prompt instead, the same tokens would
+    not count as output, and the choice would go on differently."""
+    params, k = RESUMABLE[kind], 6
+    full = run(engine, [params], PROMPTS[:1])[0]
+
+    def rest(resumed: int) -> list[int]:
+        again = dataclasses.replace(params, max_tokens=params.max_tokens - k, resumed_tokens=resumed)
+        return run(engine, [again], [PROMPTS[0] + full[:k]])[0]
+
+    assert full[:k] + rest(k) == full
+    assert full[:k] + rest(0) != full
+
+
+def test_resumed_tokens_must_leave_a_prompt_token(engine):
+    with pytest.raises(ValueError, match="resumed_tokens"):
+        engine.add_request("bad", [1, 2], SamplingParams(resumed_tokens=2))
+    with pytest.raises(ValueError, match="resumed_tokens"):
+        engine.add_request("bad", [1, 2], SamplingParams(resumed_tokens=-1))
+
+
+def test_a_seeded_draw_depends_on_its_number_not_on_the_draws_before_it():
+    """Draw i of a seed is the same whether or not draws 0..i-1 happened here (a PD decode
+    worker's first draw is the second of its choice: the prefill worker made the first)."""
+    logits = torch.zeros(1, 1000)
+    params = SamplingParams(temperature=1.0, seed=3)
+    alone = sample(logits, [seq_with(params)], outputs=[5])[0][0]
+    seq = seq_with(params)
+    after = [sample(logits, [seq], outputs=[i])[0][0] for i in range(6)][-1]
+    assert alone == after
+    assert len({sample(logits, [seq_with(params)], outputs=[i])[0][0] for i in range(20)}) > 10
+    assert len({draw_seed(s, i) for s in range(50) for i in range(50)}) == 2500
 
 
 def seq_with(params: SamplingParams, prompt=(1, 2), output=()) -> Sequence:

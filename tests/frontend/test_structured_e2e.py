@@ -139,6 +139,31 @@ def test_random_schemas_validate_and_stream_the_same_through_pd(pd_server, schem
 
 @pytest.mark.e2e
 @pytest.mark.timeout(600)
+def test_logprobs_of_a_constrained_answer_report_ruled_out_tokens_at_the_floor(pd_server):
+    """Where the grammar allows one token only (the schema's fixed keys and punctuation), the
+    other alternatives' logprob is -inf, which JSON cannot carry: they are -9999.0 (as vLLM
+    reports them), streamed and not alike."""
+    body = ask(response_format=schema_format(PERSON), logprobs=True, top_logprobs=3)
+    entries = post(pd_server, body)["choices"][0]["logprobs"]["content"]
+    forced = [e for e in entries if e["top_logprobs"][0]["logprob"] == 0.0]
+    assert len(forced) >= 4, entries  # at least `{"name": "` holds forced tokens
+    assert all([t["logprob"] for t in e["top_logprobs"][1:]] == [-9999.0, -9999.0] for e in forced)
+    streamed = []
+    with httpx.stream("POST", f"{pd_server.v1}/chat/completions", json={**body, "stream": True}, headers=AUTH,
+                      timeout=300) as r:
+        assert r.status_code == 200, r.read()
+        lines = [line for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    for line in lines[:-1]:
+        choice = json.loads(line[6:])["choices"][0]
+        streamed += (choice.get("logprobs") or {}).get("content") or []
+    # the second run reads its prompt from the cache: the same tokens, logprobs equal to ~1e-4
+    assert [e["token"] for e in streamed] == [e["token"] for e in entries]
+    assert [e for e in streamed if e["top_logprobs"][0]["logprob"] == 0.0] == forced
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(600)
 def test_json_object_mode_greedy_and_sampled_gives_objects(pd_server):
     for sampling in ({"temperature": 0}, {"temperature": 1.0, "seed": 1}):
         choice = post(pd_server, ask("Describe a cat in JSON.", response_format={"type": "json_object"},

@@ -4,11 +4,11 @@ the module (the tests run in order and share its restart history):
 * SIGKILL of the prefill worker while streams decode: the streams end with [DONE]; a new
   request waits in the admission queue for the restarted worker and is served within 30 s;
   serve keeps running; the pools are full at the end.
-* SIGKILL of the decode worker: its greedy streams go on from their last token on the
-  restarted worker and end with [DONE], their text that of an uninterrupted run; streams with a
-  presence penalty cannot go on and end with an error event within 2 s.
+* SIGKILL of the decode worker: its streams go on from their last token on the restarted
+  worker and end with [DONE], their text that of an uninterrupted run: greedy, with a presence
+  penalty, seeded, and under a grammar.
 * A router that stops answering (SIGSTOP) with streams in flight: the workers abort them once
-  its lease ran out, and every block comes back; after SIGCONT the streams end with an error.
+  its lease ran out, and every block comes back; after SIGCONT the streams go on to [DONE].
 * A crash loop (the model directory vanished: each restart fails at once) ends serve with the
   worker's own error as one line and exit 1.
 * `--tp 2` on the default model (9 heads) is refused in one line, in under 3 s.
@@ -37,7 +37,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.chaos, pytest.mark.timeout(300)]
 STORY = {"messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 32,
          "ignore_eos": True, "temperature": 0}
 BACK_WITHIN_S = 30.0
-ERROR_WITHIN_S = 2.0
 MAX_RESTARTS = 2
 LEASE_S = 5.0  # the workers' --router-lease
 
@@ -113,41 +112,53 @@ def test_a_killed_prefill_worker_is_restarted_and_decoding_streams_finish(server
     print(f"prefill killed: 4/4 streams [DONE]; served again {back:.1f} s after the kill")
 
 
-def test_a_killed_decode_worker_s_greedy_streams_go_on_after_its_restart_and_the_others_fail_at_once(
-        server, default_model_dir, tokenizer):
-    """Greedy streams go on from their last token on the restarted decode worker, as if nothing
-    happened; streams whose sampling depends on which tokens are output (a presence penalty)
-    cannot, and end with an error event at once."""
+# Each kind of stream a decode worker's death interrupts, and how many tokens it asks for: in
+# these, the reference model's top two logits stay at least 0.08 apart, so a run that goes on
+# from a prompt-computed KV picks the same ones (the greedy story's come within 0.02 by token
+# 71; the penalized one's within 0.03 at token 32). The seeded one samples: its draws differ
+# only where a logit moves across a draw's boundary, at ~1e-4 of a logit.
+SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "story": {"type": "string"}},
+          "required": ["title", "story"]}
+RESUMED = {
+    "greedy": {**STORY, "max_tokens": 48},
+    "presence penalty": {**STORY, "max_tokens": 30, "presence_penalty": 0.5},
+    "seeded": {**STORY, "max_tokens": 48, "temperature": 0.8, "seed": 5},
+    "grammar": {**STORY, "max_tokens": 48, "ignore_eos": False,  # a 24-token document, then EOS
+                "response_format": {"type": "json_schema", "json_schema": {"name": "story", "schema": SCHEMA}}},
+}
+
+
+def test_a_killed_decode_worker_s_streams_go_on_after_its_restart(server, default_model_dir, tokenizer):
+    """Every stream goes on from its last token on the restarted decode worker, as if nothing
+    happened: greedy, with a presence penalty (it counts the tokens before the death), seeded
+    (it draws on from there) and under a grammar (it reads them first)."""
     srv, _ = server
-    # 48 tokens: in them the reference model's top two logits stay ≥ 0.1 apart (by token 71 they
-    # come within 0.02, where a resumed run's prompt-computed KV may well pick the other one)
-    greedy = {**STORY, "max_tokens": 48}
-    reference = httpx.post(f"{srv.v1}/chat/completions", json={"model": MODEL, **greedy}, timeout=120)
-    assert reference.status_code == 200, reference.text
-    expected = reference.json()["choices"][0]["message"]["content"]
+    expected = {}
+    for kind, body in RESUMED.items():
+        reference = httpx.post(f"{srv.v1}/chat/completions", json={"model": MODEL, **body}, timeout=120)
+        assert reference.status_code == 200, reference.text
+        expected[kind] = reference.json()["choices"][0]["message"]["content"]
     retries = retries_counted(srv)
-    resumed = Streams(f"{srv.v1}/chat/completions", greedy, 2)
-    penalized = Streams(f"{srv.v1}/chat/completions", {**greedy, "presence_penalty": 0.5}, 2)
-    resumed.wait_started()
-    penalized.wait_started()
+    streams = {kind: Streams(f"{srv.v1}/chat/completions", body, 2 if kind == "greedy" else 1)
+               for kind, body in RESUMED.items()}
+    for s in streams.values():
+        s.wait_started()
     os.kill(worker_pid(srv, "decode"), signal.SIGKILL)
     killed = time.monotonic()
-    failed = penalized.join()
-    assert all(e.error is not None for e in failed), [e.cut or e.done for e in failed]
-    late = max(e.ended_at for e in failed) - killed
-    assert late < ERROR_WITHIN_S
-    ends = resumed.join()
-    for end in ends:
-        end.assert_clean()
-        assert end.done, end.error
-        assert end.text == expected or chat_near_tie(default_model_dir, tokenizer, STORY["messages"], end.text,
-                                                     expected), (end.text, expected)
-    assert retries_counted(srv) == retries + 2  # the greedy streams went on elsewhere, once each
-    back = max(e.ended_at for e in ends) - killed
+    ends = {kind: s.join() for kind, s in streams.items()}
+    for kind, runs in ends.items():
+        for end in runs:
+            end.assert_clean()
+            assert end.done, (kind, end.error)
+            assert end.ended_at > killed  # it was interrupted: it went on after the death
+            assert end.text == expected[kind] or (kind == "greedy" and chat_near_tie(
+                default_model_dir, tokenizer, STORY["messages"], end.text, expected[kind])), (kind, end.text)
+    assert retries_counted(srv) == retries + 5  # each stream went on elsewhere, once
+    back = max(e.ended_at for runs in ends.values() for e in runs) - killed
     assert srv.proc.poll() is None
     wait_until("every KV block is free again", lambda: pools_full(srv), 10, 0.2)
-    print(f"decode killed: 2/2 penalized streams ended with an error event within {late:.2f} s; 2/2 greedy "
-          f"streams went on and ended [DONE] {back:.1f} s after the kill")
+    print(f"decode killed: 5/5 streams (greedy, penalized, seeded, constrained) went on and ended [DONE] "
+          f"{back:.1f} s after the kill")
 
 
 def retries_counted(srv: Server) -> float:
@@ -163,11 +174,12 @@ def timeout_aborts(url: str) -> float:
 
 
 def test_a_silent_router_loses_its_requests_after_the_lease(server):
+    """The workers abort a silent router's requests once its lease runs out. That is a worker
+    failing them: when the router runs again, the streams go on from their last token."""
     srv, _ = server
     decode_url = router_health(srv)["decode"]["url"]
     before = timeout_aborts(decode_url)
-    # a presence penalty: the streams cannot go on elsewhere (greedy ones would, once the
-    # router runs again: the workers' abort is a worker failing them, docs/supervision.md)
+    retries = retries_counted(srv)
     streams = Streams(f"{srv.v1}/chat/completions", {**STORY, "max_tokens": 2000, "presence_penalty": 0.5}, 2)
     streams.wait_started()
     os.kill(srv.proc.pid, signal.SIGSTOP)  # the router (and the launcher): its connections stay open
@@ -180,9 +192,11 @@ def test_a_silent_router_loses_its_requests_after_the_lease(server):
         os.kill(srv.proc.pid, signal.SIGCONT)
     assert LEASE_S - 1.0 <= took < LEASE_S + 5  # its last probe came up to a probe interval (0.5 s) before
     ends = streams.join()
-    assert all(e.error is not None for e in ends)
+    assert all(e.done for e in ends), [e.error for e in ends]
+    assert retries_counted(srv) == retries + 2
     wait_until("every KV block is free again", lambda: pools_full(srv), 10, 0.2)
-    print(f"router stopped: its 2 requests aborted by the workers {took:.1f} s later (lease {LEASE_S:g} s)")
+    print(f"router stopped: its 2 requests aborted by the workers {took:.1f} s later (lease {LEASE_S:g} s); "
+          "both went on once it ran again")
 
 
 def test_a_crash_loop_ends_serve_with_the_workers_error_in_one_line(server):

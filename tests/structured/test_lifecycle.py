@@ -1,7 +1,10 @@
 """Matcher lifetime in the engine: a preempted constrained request is recomputed and resumes
-its grammar exactly; aborting many constrained requests releases every matcher and block."""
+its grammar exactly; so does one resumed from its tokens so far on another engine (the router's
+retry after a worker failed it); aborting many constrained requests releases every matcher and
+block."""
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jsonschema
@@ -40,6 +43,22 @@ def test_preempted_constrained_requests_resume_their_grammar_exactly(json_llama_
         assert reason == "stop"
         jsonschema.validate(json.loads(tok.decode(tokens, skip_special_tokens=True)), SCHEMA)
     assert small.grammars.live == 0 and small.allocator.num_free == small.pool.num_blocks
+
+
+def test_a_constrained_choice_resumed_from_its_tokens_elsewhere_reads_them_into_its_grammar(json_llama_dir) -> None:
+    """The router's retry after a worker failed a choice k tokens in: another engine gets the
+    prompt with those tokens appended, marked as output. Its grammar must start from them (else
+    it would ask for a new document's opening brace) and its seed must draw on from there."""
+    ids = Tokenizer(json_llama_dir).encode(PROMPT)
+    first = LLMEngine(EngineConfig(model=json_llama_dir, block_size=BLOCK))
+    full, reason = run(first, {"r": (ids, params(3))})["r"]
+    assert reason == "stop" and len(full) > 12
+    other = LLMEngine(EngineConfig(model=json_llama_dir, block_size=BLOCK))
+    for k in (1, 5, 12):
+        again = dataclasses.replace(params(3), max_tokens=params(3).max_tokens - k, resumed_tokens=k)
+        rest, reason = run(other, {f"r~{k}": (ids + full[:k], again)})[f"r~{k}"]
+        assert (full[:k] + rest, reason) == (full, "stop"), k
+    assert other.grammars.live == 0 and other.allocator.num_free == other.pool.num_blocks
 
 
 def test_aborting_many_constrained_requests_releases_every_matcher(json_llama_dir) -> None:

@@ -21,23 +21,28 @@ PROMPTS = ["The capital of France is", "def add(a, b):", "Once upon a time", "Li
 
 @pytest.mark.e2e
 @pytest.mark.timeout(400)
-def test_pd_and_colocated_greedy_equal_engine_alone(pd_pair, default_model_dir):
-    """PD changes nothing: 16 prompts give the engine's greedy tokens through PD and colocated."""
+def test_pd_and_colocated_greedy_and_seeded_equal_engine_alone(pd_pair, default_model_dir):
+    """PD changes nothing: 16 prompts give the engine's greedy tokens through PD and colocated,
+    and 4 seeded sampled ones its draws (in PD the first draw is the prefill worker's, the
+    rest the decode worker's: a seed's draw number i is the same wherever it is made)."""
     prefill, decode = pd_pair
     both = start_worker("both", default_model_dir, wait=False)  # starts while the reference runs
+    greedy = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
+    seeded = [{"temperature": 0.9, "seed": 100 + i, "max_tokens": 16, "ignore_eos": True} for i in range(4)]
 
     async def run(p, d):
         c = PDClient(p, d)
-        return await asyncio.gather(*(c.generate(f"eq-{i}", x, {"temperature": 0, "max_tokens": 16,
-                                                               "ignore_eos": True})
-                                      for i, x in enumerate(ids)))
+        return await asyncio.gather(*(c.generate(f"eq-{i}", x, greedy) for i, x in enumerate(ids)),
+                                    *(c.generate(f"seeded-{i}", x, s) for i, (x, s) in enumerate(zip(ids, seeded))))
     try:
         llm = LLM(EngineConfig(model=default_model_dir))
         ids = [llm.prompt_ids(p) for p in PROMPTS]
-        ref = llm.generate(ids, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+        ref = llm.generate(ids, SamplingParams(**greedy))
+        ref += llm.generate(ids[:4], [SamplingParams(**s) for s in seeded])
+        assert len({tuple(r.token_ids) for r in ref[16:]} | {tuple(r.token_ids) for r in ref[:4]}) == 8  # they sample
         ready(both)
         for results in (asyncio.run(run(prefill, decode)), asyncio.run(run(None, both))):
-            for (tokens, reason, err), r in zip(results, ref):
+            for (tokens, reason, err), r in zip(results, ref, strict=True):
                 assert err is None and reason == "length"
                 assert tokens == r.token_ids
     finally:
