@@ -6,6 +6,8 @@ import dataclasses
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
@@ -89,6 +91,29 @@ def test_a_choice_resumed_from_its_tokens_goes_on_as_it_would_have(engine, kind)
 
     assert full[:k] + rest(k) == full
     assert full[:k] + rest(0) != full
+
+
+SAMPLING = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.7, 1.3]), top_p=st.sampled_from([1.0, 0.8]),
+    top_k=st.sampled_from([0, 20]), min_p=st.sampled_from([0.0, 0.05]),
+    presence_penalty=st.sampled_from([0.0, 1.5, -1.0]), frequency_penalty=st.sampled_from([0.0, 0.7]),
+    repetition_penalty=st.sampled_from([1.0, 1.3]), seed=st.integers(0, 2**63 - 1),
+    min_tokens=st.integers(0, 6), max_tokens=st.just(14), logit_bias=st.sampled_from([{}, {7: 3.0}]))
+
+
+@settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(params=SAMPLING, k=st.integers(1, 13), prompt=st.sampled_from(PROMPTS))
+def test_any_choice_resumed_after_any_token_goes_on_as_it_would_have(engine, params, k, prompt):
+    """The router's continuation (prompt + the first k tokens, max_tokens and min_tokens
+    shrunk by k) for any mix of settings, seeded (an unseeded draw is not reproducible)."""
+    full = run(engine, [params], [prompt])[0]
+    if k >= len(full):  # it ended (EOS) before: nothing to go on from
+        return
+    again = dataclasses.replace(params, max_tokens=params.max_tokens - k, min_tokens=max(0, params.min_tokens - k),
+                                resumed_tokens=k)
+    rest = run(engine, [again], [prompt + full[:k]])[0]
+    assert full[:k] + rest == full
 
 
 def test_resumed_tokens_must_leave_a_prompt_token(engine):
