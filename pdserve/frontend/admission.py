@@ -183,9 +183,9 @@ class Admission:
 
     @asynccontextmanager
     async def readmit(self, failed: Route, prompt_ids: Sequence[int]) -> AsyncIterator[Ticket]:
-        """Room for one choice that `failed` before its first token, to run it again, admitted
-        like a new request (it may wait for a restarting worker, and gets 429 or 503 as one
-        would). A worker of the failed route takes it only once it answered a probe asked after
+        """Room for one choice that `failed`, to run it again (from the start or from its last
+        token), admitted like a new request (it may wait for a restarting worker, and gets 429
+        or 503 as one would). A worker of the failed route takes it only once it answered a probe asked after
         the failure: the route's workers are probed at once, so a live one is eligible at once,
         while a process that is dying (its streams reset before its port refuses) is not, nor is
         anything else at its URL until it answers."""
