@@ -13,7 +13,8 @@ head is admitted (a large request is not overtaken by small ones forever). Room 
 again whenever a request leaves a worker, a probe reports, or the pool's watch ticks. After
 ``--queue-timeout`` seconds in the queue, or at once when the queue is full, the request gets
 429 with ``Retry-After``. When no worker of a needed role is alive at all (all refused, failed,
-or silent past the bound), waiting cannot help: 503, as before.
+or silent past the bound) and none is being restarted, waiting cannot help: 503, for a new
+request at once and for those already queued the moment the last such worker goes.
 
 Workers are picked at admission (routing.py: by cached prefix and load, the prompt's token ids
 being the routing key) and reserved (``WorkerEndpoint.reserved``) until the request's choices
@@ -220,7 +221,7 @@ class Admission:
                 return routes
         if not self._alive():
             self.stats.reject(Rejection.NO_WORKER)
-            raise unavailable("No worker is available to serve the request; try again later.")
+            raise _no_worker()
         if len(self._queue) >= self.config.max_queue:
             self.stats.reject(Rejection.QUEUE_FULL)
             raise overloaded(f"The server is overloaded: {len(self._queue)} requests are already "
@@ -233,12 +234,13 @@ class Admission:
             self._leave(waiter)
             raise
         if waiter.future.done():
+            routes = waiter.future.result()  # or the 503 of `wake`: no worker left to wait for
             self.stats.waited(self.clock() - waiter.since)
-            return waiter.future.result()
+            return routes
         self._leave(waiter)
         if not self.pool.ready:  # still none in rotation (a restart outlasted the queue's bound)
             self.stats.reject(Rejection.NO_WORKER)
-            raise unavailable("No worker is available to serve the request; try again later.")
+            raise _no_worker()
         self.stats.reject(Rejection.QUEUE_TIMEOUT)
         logger.warning("request refused after %.1f s in the admission queue (%d waiting)",
                        self.clock() - waiter.since, len(self._queue))
@@ -247,7 +249,7 @@ class Admission:
 
     def _leave(self, waiter: _Waiter) -> None:
         """Take `waiter` out of the queue; routes it was given meanwhile go back."""
-        if waiter.future.done() and not waiter.future.cancelled():
+        if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
             for route in waiter.future.result():
                 _reserve(route, -1)
         else:
@@ -259,7 +261,17 @@ class Admission:
         self.wake()
 
     def wake(self) -> None:
-        """Admit queued requests, head first, while they fit."""
+        """Admit queued requests, head first, while they fit; refuse them all (503) once no
+        worker of a needed role is left to wait for."""
+        if self._queue and not self._alive():
+            logger.warning("no worker of a needed role is alive or being restarted: refusing the %d "
+                           "queued request(s)", len(self._queue))
+            while self._queue:
+                waiter = self._queue.popleft()
+                if not waiter.future.done():
+                    self.stats.reject(Rejection.NO_WORKER)
+                    waiter.future.set_exception(_no_worker())
+            return
         while self._queue:
             head = self._queue[0]
             if head.future.done():
@@ -270,6 +282,10 @@ class Admission:
                 return
             self._queue.popleft()
             head.future.set_result(routes)
+
+
+def _no_worker() -> APIError:
+    return unavailable("No worker is available to serve the request; try again later.")
 
 
 def _reserve(route: Route, delta: int) -> None:

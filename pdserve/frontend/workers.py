@@ -81,9 +81,11 @@ class WorkerEndpoint:
     status: str = "unknown"
     info: Info | None = None    # its /info, read once it answers healthy
     load: Load = field(default_factory=Load)
-    last_ok: float = 0.0
+    last_ok: float = 0.0        # when it last answered ok (or draining)
+    last_answer: float = 0.0    # when it last answered anything
     last_pick: float = 0.0
-    asked_since: float | None = None  # when the oldest probe not answered yet was sent
+    asked: list[float] = field(default_factory=list)  # when each probe still in flight was sent
+    unanswered_since: float | None = None  # the oldest probe since the last answer that got none
     slow: bool = False          # silent for slow_after_s: no new requests, those in flight go on
     reserved: int = 0           # admitted requests not yet started here (admission.py)
     inflight: InFlightSet = field(default_factory=InFlightSet)
@@ -358,15 +360,26 @@ class WorkerPool:
                 task.cancel()
 
     def silence(self, w: WorkerEndpoint, now: float) -> float:
-        """How long a question to `w` has gone unanswered (since its last answer when none is
-        pending): the time it takes to answer, not how often it is asked."""
-        return now - (w.asked_since if w.asked_since is not None else w.last_ok)
+        """How long `w` has left a question unanswered: since its oldest question still open (in
+        flight, or timed out since its last answer), or since its last answer if that came later.
+        0 while nothing is asked: the time it takes to answer, not how often it is asked (an idle
+        worker is asked every `idle_interval_s`, which may exceed `slow_after_s`)."""
+        open_since = [*w.asked, *([] if w.unanswered_since is None else [w.unanswered_since])]
+        return now - max(w.last_answer, min(open_since)) if open_since else 0.0
 
     async def probe(self, w: WorkerEndpoint, timeout_s: float | None = None) -> None:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         asked_at = self.clock()
-        if w.asked_since is None:
-            w.asked_since = asked_at
+        w.asked.append(asked_at)
+        try:
+            probe, answered_at = await self._ask(w, timeout_s)
+        finally:
+            w.asked.remove(asked_at)
+        self.observe(w, probe, answered_at, asked_at)
+        self._changed()
+
+    async def _ask(self, w: WorkerEndpoint, timeout_s: float) -> tuple[Probe, float]:
+        """/health, then /info and /load as needed; the answer and when /health gave it."""
         probe = await self.client.health(w.url, timeout_s)
         answered_at = self.clock()
         if probe.ok and w.info is None:
@@ -386,12 +399,12 @@ class WorkerPool:
             load = await self.client.load(w.url, timeout_s)
             if load is not None:
                 w.load, w.load_step = load, probe.step
-        self.observe(w, probe, answered_at, asked_at)
-        self._changed()
+        return probe, answered_at
 
     def observe(self, w: WorkerEndpoint, probe: Probe, answered_at: float | None = None,
                 asked_at: float | None = None) -> None:
-        """Apply one probe result to a worker (pure state change; no I/O). A good answer to a
+        """Apply one probe result to a worker (pure state change; no I/O): the answer to a question
+        asked at `asked_at`, or (no `asked_at`) a look at the questions in flight. A good answer to a
         question asked before the worker was found dead is ignored: the process that gave it is
         gone (its probe's /load call outlived it), and it must not put the worker back."""
         now = self.clock()
@@ -401,9 +414,14 @@ class WorkerPool:
         was = (w.healthy, w.draining, w.slow)
         w.status = probe.status
         what = f"worker {w.url} ({w.role.value}) is {probe.status}"
-        silence = self.silence(w, now)
         if probe.answered:
-            w.asked_since = None
+            w.last_answer = max(w.last_answer, at)
+            if w.unanswered_since is not None and w.unanswered_since <= w.last_answer:
+                w.unanswered_since = None
+        elif asked_at is not None and asked_at >= w.last_answer:
+            # a question it never answered: the silence counts from it until an answer comes
+            w.unanswered_since = asked_at if w.unanswered_since is None else min(w.unanswered_since, asked_at)
+        silence = self.silence(w, now)
         if probe.ok or (probe.answered and probe.status == "draining"):
             w.healthy, w.draining, w.last_ok = True, probe.status == "draining", max(w.last_ok, at)
             if probe.ok:
@@ -413,7 +431,7 @@ class WorkerPool:
             # Its loop made no step for a while: no new requests. A long step under load looks
             # the same at first, so its requests get `wedged_grace_s` more before they fail.
             w.healthy = w.draining = w.slow = False
-            if silence >= self.wedged_grace_s:
+            if now - w.last_ok >= self.wedged_grace_s:
                 self.fail_inflight(w, what)
         elif probe.answered or probe.status == "refused":
             # It says it failed, or its port is closed (the process is gone): dead now.

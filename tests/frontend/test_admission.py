@@ -49,14 +49,14 @@ def test_a_silent_worker_is_slow_first_keeps_its_requests_then_is_dead_past_the_
     victim = Victim()
     decode.inflight.add(victim)
     clock.t += 3.0
-    pool.observe(decode, Probe(False, "unreachable"))
+    pool.observe(decode, Probe(False, "unreachable"), asked_at=clock.t - 3.0)  # a question 3 s unanswered
     assert decode.slow and not decode.available and decode.in_rotation and pool.ready
     assert not victim.errors  # busy is not dead: what runs there goes on
     clock.t += 20.0
     pool.observe(decode, Probe(True, "ok"))
     assert decode.available and not decode.slow and not victim.errors
     clock.t += 30.0
-    pool.observe(decode, Probe(False, "unreachable"))
+    pool.observe(decode, Probe(False, "unreachable"), asked_at=clock.t - 30.0)
     assert not decode.healthy and len(victim.errors) == 1
     assert victim.errors[0].status == 503 and "did not answer for 30 s" in victim.errors[0].message
 
@@ -153,7 +153,7 @@ def test_a_slow_worker_gets_no_new_requests_they_wait_for_it_and_a_dead_pool_is_
         adm = admission(pool)
         decode = pool.of_role(Role.DECODE)[0]
         clock.t += 3.0
-        pool.observe(decode, Probe(False, "unreachable"))
+        pool.observe(decode, Probe(False, "unreachable"), asked_at=clock.t - 3.0)
         waiting = asyncio.create_task(hold(adm))
         await asyncio.sleep(0.05)
         assert adm.queued == 1 and not waiting.done()
@@ -163,6 +163,32 @@ def test_a_slow_worker_gets_no_new_requests_they_wait_for_it_and_a_dead_pool_is_
         with pytest.raises(APIError) as e:
             await hold(adm)
         assert e.value.status == 503 and adm.stats.rejected[Rejection.NO_WORKER] == 1
+
+    asyncio.run(scenario())
+
+
+def test_queued_requests_get_their_503_when_the_last_worker_of_a_role_dies_not_at_the_bound():
+    """Waiting helps only while a worker it could run on is alive or being restarted."""
+    async def scenario() -> None:
+        clock = Clock()
+        pool = pool_of(clock=clock)
+        adm = admission(pool, queue_timeout_s=30.0)
+        prefill = pool.of_role(Role.PREFILL)[0]
+        clock.t += 3.0
+        pool.observe(prefill, Probe(False, "unreachable"), asked_at=clock.t - 3.0)  # slow: requests queue
+        first, second = asyncio.create_task(hold(adm)), asyncio.create_task(hold(adm))
+        await asyncio.sleep(0.05)
+        assert adm.queued == 2
+        pool.expect_back(prefill.url, True)  # it died and its supervisor restarts it: they wait
+        await asyncio.sleep(0.05)
+        assert adm.queued == 2 and not first.done()
+        pool.expect_back(prefill.url, False)  # it will not be back
+        for task in (first, second):
+            with pytest.raises(APIError) as e:
+                await asyncio.wait_for(task, 1.0)
+            assert e.value.status == 503
+        assert adm.queued == 0 and adm.stats.rejected[Rejection.NO_WORKER] == 2
+        assert adm.stats.rejected[Rejection.QUEUE_TIMEOUT] == 0 and adm.stats.admitted == 0
 
     asyncio.run(scenario())
 

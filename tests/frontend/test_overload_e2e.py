@@ -1,5 +1,5 @@
 """Admission and internal auth end to end: a real colocated worker that requires the internal
-token, and routers in this process in front of it.
+token, and a router process in front of it.
 
 * Overload: 4× more concurrent requests than the configured capacity; the excess gets 429 with
   Retry-After within the queue bound, every admitted request completes correctly, none waits
@@ -19,8 +19,8 @@ import pytest
 
 from pdserve.launcher import Child, start_child, stop_children, wait_ready
 
-from tests.frontend.conftest import free_port, router_config
-from tests.frontend.test_router_faults import CHAT, RouterThread
+from tests.frontend.conftest import free_port
+from tests.frontend.test_router_faults import CHAT, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -70,16 +70,10 @@ async def _one(http: httpx.AsyncClient, i: int) -> tuple[int, float, httpx.Respo
 
 
 def test_overload_at_4x_capacity_excess_gets_429_in_bound_admitted_ones_complete(guarded_worker, default_model_dir):
-    router = RouterThread(router_config(default_model_dir, prefill_urls=[], decode_urls=[],
-                                        worker_urls=[guarded_worker.url], api_key=None, internal_token=TOKEN,
-                                        worker_capacity=CAPACITY, max_queue=CAPACITY,
-                                        queue_timeout_s=QUEUE_TIMEOUT_S))
+    router = start("router", ["--model", default_model_dir, "--worker", guarded_worker.url,
+                              "--internal-token", TOKEN, "--worker-capacity", str(CAPACITY),
+                              "--max-queue", str(CAPACITY), "--queue-timeout", str(QUEUE_TIMEOUT_S)])
     try:
-        deadline = time.monotonic() + 30
-        while httpx.get(router.url + "/ready", timeout=5).status_code != 200:
-            assert time.monotonic() < deadline, "the router never saw its worker"
-            time.sleep(0.1)
-
         async def burst() -> list[tuple[int, float, httpx.Response]]:
             async with httpx.AsyncClient(base_url=router.url, timeout=300) as http:
                 return await asyncio.gather(*(_one(http, i) for i in range(4 * CAPACITY)))
@@ -103,4 +97,4 @@ def test_overload_at_4x_capacity_excess_gets_429_in_bound_admitted_ones_complete
                        if line.startswith("pdserve:admission_rejections_total{"))
         assert rejected == len(refused)
     finally:
-        router.stop()
+        stop_children([router])

@@ -3,7 +3,8 @@ the client gets an error within 2 s, the worker leaves the rotation, and comes b
 replacement does) when healthy. Paused (SIGSTOP): busy is not dead, its requests go on after
 SIGCONT; only silence past the router's bound fails them, with an error that says so.
 
-Real worker processes (started as `pdserve serve` starts them) and a router in this process."""
+Real worker and router processes, started as `pdserve serve` starts them (the router's log, at
+INFO, is what a failure here shows: which worker it saw slow or dead, and when)."""
 from __future__ import annotations
 
 import json
@@ -16,12 +17,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
-from pdserve.frontend.app import create_app
 from pdserve.launcher import Child, start_child, stop_children, wait_ready
 
-from tests.frontend.conftest import free_port, router_config
+from tests.frontend.conftest import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
@@ -34,31 +33,20 @@ SILENCE_BOUND_S = 8.0  # the cluster router's dead_after_s
 PAUSE_S = 3.0          # a pause well inside it
 
 
-def worker(role: str, model_dir: str, port: int | None = None) -> Child:
+def start(role: str, args: list[str], port: int | None = None) -> Child:
+    """`pdserve ROLE ARGS` on loopback, once its /ready says so."""
     import sys
 
     port = port or free_port()
-    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "WARNING", role, "--model", model_dir,
-           "--port", str(port), "--worker-id", f"{role}-{port}-{time.time_ns()}", "--threads", "1", "--exit-with-parent"]
+    cmd = [sys.executable, "-m", "pdserve.cli", "--log-level", "INFO", role, *args, "--port", str(port)]
     child = start_child(role, cmd, f"http://127.0.0.1:{port}")
     wait_ready([child], 300)
     return child
 
 
-class RouterThread:
-    def __init__(self, config) -> None:
-        self.port = free_port()
-        self.server = uvicorn.Server(uvicorn.Config(create_app(config), host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=15)
+def worker(role: str, model_dir: str, port: int | None = None) -> Child:
+    return start(role, ["--model", model_dir, "--worker-id", f"{role}-{time.time_ns()}", "--threads", "1",
+                        "--exit-with-parent"], port)
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +55,11 @@ def cluster(default_model_dir) -> Iterator[dict]:
     prefill = worker("prefill", default_model_dir)
     decode = worker("decode", default_model_dir)
     # a short silence bound, so that the paused-past-the-bound case takes seconds, not half a minute
-    router = RouterThread(router_config(default_model_dir, prefill_urls=[prefill.url],
-                                        decode_urls=[decode.url], api_key=None,
-                                        slow_after_s=1.0, dead_after_s=SILENCE_BOUND_S))
+    router = start("router", ["--model", default_model_dir, "--prefill", prefill.url, "--decode", decode.url,
+                              "--slow-after", "1", "--dead-after", str(SILENCE_BOUND_S)])
     state = {"prefill": prefill, "decode": decode, "router": router, "model_dir": default_model_dir}
     yield state
-    router.stop()
-    stop_children([state["prefill"], state["decode"]])
+    stop_children([router, state["prefill"], state["decode"]])
 
 
 def stream_until_error(url: str, after_tokens: int, fault, body: dict = LONG) -> tuple[float, dict]:

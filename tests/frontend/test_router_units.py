@@ -293,18 +293,76 @@ def test_a_refused_port_fails_in_flight_requests_at_once():
     assert not decode.healthy and len(victim.errors) == 1 and victim.errors[0].status == 503
 
 
+def ask(w, at: float) -> None:
+    """A probe sent to `w` at `at` and not answered yet (what `WorkerPool.probe` records)."""
+    w.asked.append(at)
+
+
+def answer(pool, w, asked_at: float, probe: Probe, answered_at: float | None = None) -> None:
+    """The probe sent at `asked_at` ends: answered (at `answered_at`), or timed out."""
+    w.asked.remove(asked_at)
+    pool.observe(w, probe, answered_at, asked_at)
+
+
 def test_a_silent_worker_is_taken_out_after_dead_after_s():
     clock = Clock()
     pool = _pool(clock=clock)
     decode = pool.of_role(Role.DECODE)[0]
     victim = Victim()
     decode.inflight.add(victim)
+    ask(decode, clock.t)
     clock.t += 1.0
-    pool.observe(decode, Probe(False, "unreachable"))
+    answer(pool, decode, clock.t - 1.0, Probe(False, "unreachable"))
     assert decode.healthy and not victim.errors  # one slow probe is not death
     clock.t += 0.5
-    pool.observe(decode, Probe(False, "unreachable"))
+    pool.observe(decode, Probe(False, "unreachable"))  # the pool's watch: no answer since
     assert not decode.healthy and victim.errors
+
+
+def test_an_idle_worker_asked_rarely_is_not_slow():
+    """Silence is how long a question waits, not how long since the last one: an idle worker
+    asked every 2 s with a 1 s bound stays available between its probes."""
+    clock = Clock()
+    pool = _pool(clock=clock)
+    decode = pool.of_role(Role.DECODE)[0]
+    for _ in range(3):
+        clock.t += 2.0
+        pool.observe(decode, Probe(False, "unreachable"))  # the watch, with no question open
+        assert decode.available
+        ask(decode, clock.t)
+        clock.t += 0.02
+        answer(pool, decode, clock.t - 0.02, Probe(True, "ok"), clock.t)
+        assert decode.available
+
+
+def test_a_late_answer_from_before_a_pause_does_not_restart_the_silence():
+    """A probe's /health answered just before the worker stopped; its /load then waited out its
+    timeout. That answer is older than the questions asked after it, which still count from when
+    they were asked: the worker is dead `dead_after_s` after its last answer, not a probe
+    timeout later."""
+    clock = Clock()
+    pool = WorkerPool(None, ["p:1"], ["d:1"], [], slow_after_s=1.0, dead_after_s=8.0, clock=clock)
+    for w in pool.workers:
+        w.info = info(w.url, w.role)
+        pool.observe(w, Probe(True, "ok"))
+    decode = pool.of_role(Role.DECODE)[0]
+    victim = Victim()
+    decode.inflight.add(victim)
+    t0 = clock.t
+    ask(decode, t0)                     # /health answered at t0 + 0.1, then /load hangs
+    for k in (1, 2, 3):                 # the worker stopped at t0 + 0.2; the poller asks on
+        ask(decode, t0 + 0.5 * k)
+    clock.t = t0 + 5.0                  # the first probe's /load times out
+    answer(pool, decode, t0, Probe(True, "ok"), answered_at=t0 + 0.1)
+    clock.t = t0 + 5.5                  # the second probe times out
+    answer(pool, decode, t0 + 0.5, Probe(False, "unreachable"))
+    ask(decode, clock.t)
+    clock.t = t0 + 8.4
+    pool.observe(decode, Probe(False, "unreachable"))
+    assert decode.slow and not victim.errors    # silent 7.9 s: slow, not dead yet
+    clock.t = t0 + 8.6
+    pool.observe(decode, Probe(False, "unreachable"))
+    assert not decode.healthy and "did not answer for 8 s" in victim.errors[0].message
 
 
 def test_a_wedged_worker_gets_no_new_requests_and_fails_its_own_after_the_grace():
