@@ -138,7 +138,12 @@ def _by_reason(pairs) -> dict[str, list[str]]:
     return out
 
 
+MAX_ERROR_CHARS = 1000  # an outcome travels in a fixed-size observation (lockstep.py)
+
+
 def failed(rid: str, error: str, peer_dead: bool = False, aborted: bool = False) -> TransferOutcome:
+    if len(error) > MAX_ERROR_CHARS:
+        error = error[:MAX_ERROR_CHARS - 1] + "…"
     return TransferOutcome(rid, TransferKind.FAILED, error=error, peer_dead=peer_dead, aborted=aborted)
 
 

@@ -166,7 +166,8 @@ class LLMEngine:
 
     def _drain(self) -> Inbox:
         inbox = Inbox()
-        # a TP plan travels in a fixed-size buffer: admit at most what fits, the rest next step
+        # a TP plan travels in a fixed-size buffer: admit about what fits, the rest next step (one
+        # request larger than that alone goes as it is: its plan takes a second broadcast, comm.py)
         budget = (self.comm.plan_bytes or 1 << 62) // 2
         items, self._carry = self._carry, []
         while True:

@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import pickle
 import threading
 import time
 from collections.abc import Callable
@@ -70,7 +71,11 @@ from .scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
-MAX_OUTCOMES_PER_STEP = 64  # keeps one rank's observation inside its fixed-size buffer
+# One rank's transfer outcomes a step, the rest the next: under TP its observation must fit
+# its fixed-size buffer, so half of that bounds their bytes as well (a first token with 20 top
+# logprobs pickles to ≈ 480 bytes: 64 of them, a burst of rooms landing on a decode worker, took
+# ≈ 30 KB of a 16 KiB buffer).
+MAX_OUTCOMES_PER_STEP = 64
 
 
 @dataclass
@@ -315,6 +320,20 @@ class LockstepLoop:
             self._digest = state_digest(self.scheduler, self.trace.digest() if self.trace else "")
             self._digest_step = self.step_no
 
+    def _outcomes_now(self) -> list[TransferOutcome]:
+        """This step's share of the backlog: the oldest outcomes, up to the count and byte
+        bounds (the first always: one outcome fits, its error text being bounded)."""
+        budget = self.comm.observation_bytes // 2 if self.comm.observation_bytes else None
+        n = size = 0
+        for outcome in self._backlog[:MAX_OUTCOMES_PER_STEP]:
+            if budget is not None:
+                size += len(pickle.dumps(outcome, protocol=pickle.HIGHEST_PROTOCOL))
+                if n and size > budget:
+                    break
+            n += 1
+        mine, self._backlog = self._backlog[:n], self._backlog[n:]
+        return mine
+
     def _decide(self, inbox: Inbox) -> StepPlan:
         """Observe, agree, plan (rank 0), broadcast: the plan of this step, on every rank."""
         if self.link is not None:
@@ -323,8 +342,7 @@ class LockstepLoop:
             self.poll_s = time.perf_counter() - t0
         else:
             self.poll_s = 0.0
-        mine, self._backlog = self._backlog[:MAX_OUTCOMES_PER_STEP], self._backlog[MAX_OUTCOMES_PER_STEP:]
-        obs = Observation(self.rank, mine, self._digest, self._digest_step)
+        obs = Observation(self.rank, self._outcomes_now(), self._digest, self._digest_step)
         self._digest = None
         t1 = time.perf_counter()
         observations = self.comm.agree(obs)

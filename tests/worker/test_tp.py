@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -13,6 +14,7 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.llm_engine import LLMEngine
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.worker_api import GrammarKind, GrammarSpec
 
 from .conftest import PDClient, pool_full, ready, start_worker, stop_all, wait_for
 
@@ -89,7 +91,10 @@ def test_tp2_colocated_and_pd_equal_tp1(tiny_llama4_dir, kv):
 def test_tp3_on_the_default_model(default_model_dir):
     """TP=3 (9 heads and 3 KV heads split three ways) on the overlapped loop (--overlap: the
     placeholder tokens broadcast to 3 ranks) gives the plain TP=1 engine's tokens, greedy and
-    seeded; the ranks' digests stay equal. (The plain loop under TP: the TP=2 and TP=4 tests.)"""
+    seeded; the ranks' digests stay equal. (The plain loop under TP: the TP=2 and TP=4 tests.)
+    Beside them runs a request whose grammar alone (a 180 KB JSON schema) outgrows the plan's
+    broadcast buffer (128 KiB): it takes a second broadcast, and the worker serves it and the
+    others (it used to stop on every rank)."""
     from pdserve.tokenizer import Tokenizer
 
     # colocated only (PD under TP: the tiny models' tests); it starts while the reference runs
@@ -98,12 +103,17 @@ def test_tp3_on_the_default_model(default_model_dir):
     try:
         tok = Tokenizer(default_model_dir)
         prompts = [tok.encode(t) for t in ("The capital of France is", "def add(a, b):", "Roses are red,")]
-        params = [GREEDY] * 3 + [SEEDED] * 3
-        ref = reference(default_model_dir, prompts * 2, params)
+        form = {"type": "object", "additionalProperties": False,
+                "properties": {f"field_{i}": {"type": "string", "description": "d" * 400} for i in range(400)}}
+        large = {**GREEDY, "max_tokens": 16, "structured": GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(form))}
+        params = [GREEDY] * 3 + [SEEDED] * 3 + [large]
+        everything = prompts * 2 + [tok.encode("Fill in the form as JSON:")]
+        ref = reference(default_model_dir, everything, params)
         ready(both)
-        got = run_all(None, both, prompts * 2, params=params)
+        got = run_all(None, both, everything, params=params)
         assert_equal_greedy(default_model_dir, prompts, got[:3], ref[:3])
-        assert got[3:] == ref[3:]  # seeded draws: the same tokens (a flip needs a logit near-tie)
+        assert got[3:6] == ref[3:6]  # seeded draws: the same tokens (a flip needs a logit near-tie)
+        assert got[6] == ref[6] and tok.decode(got[6]).startswith('{"field_'), tok.decode(got[6])
         assert both.get("/health").status_code == 200  # no divergence was found
     finally:
         both.stop()
