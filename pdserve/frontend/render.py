@@ -96,6 +96,14 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
+def legacy_top(tokenizer: Tokenizer, lp: TokenLogprob, n: int) -> dict[str, float]:
+    """A text completion's ``top_logprobs`` entry: the ``n`` most likely tokens and the chosen
+    one, which OpenAI always adds (so up to ``n + 1`` entries; ``n = 0`` gives the chosen only)."""
+    top = {token_text(tokenizer, t): v for t, v in lp.top[:n]}
+    top.setdefault(token_text(tokenizer, lp.token_id), lp.logprob)
+    return top
+
+
 class Renderer:
     """What chat and text completions share: ids, envelopes, usage, per-choice state."""
 
@@ -337,7 +345,7 @@ class CompletionRenderer(Renderer):
             offsets.append(offset)
             offset += len(text)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{token_text(tok, t): v for t, v in lp.top[: self.logprobs]} for lp in lps],
+                "top_logprobs": [legacy_top(tok, lp, self.logprobs) for lp in lps],
                 "text_offset": offsets}
 
     def _prompt_logprobs(self, index: int) -> dict[str, Any]:
@@ -352,8 +360,7 @@ class CompletionRenderer(Renderer):
             offsets.append(at)
             at += len(text)
         return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
-                "top_logprobs": [None if e is None else {token_text(tok, t): v for t, v in e.top[: self.logprobs]}
-                                 for e in entries],
+                "top_logprobs": [None if e is None else legacy_top(tok, e, self.logprobs) for e in entries],
                 "text_offset": offsets}
 
 

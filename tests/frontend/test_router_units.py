@@ -454,6 +454,20 @@ def test_completion_logprobs_have_tokens_and_offsets(tokenizer):
     assert choice["logprobs"]["top_logprobs"] == [{"Hello": -0.5}, {" world": -0.5}]
 
 
+def test_completion_top_logprobs_always_hold_the_chosen_token(tokenizer):
+    """OpenAI's legacy format: the n most likely tokens, plus the chosen one when it is not
+    among them (up to n + 1 entries); logprobs=0 gives the chosen token alone."""
+    hello, world = tokenizer.encode("Hello world")
+    other = tokenizer.encode(" there")[0]
+    lp = TokenLogprob(token_id=world, logprob=-4.0, top=[(other, -0.2), (hello, -1.5)])
+    for n, expected in [(0, {" world": -4.0}), (1, {" there": -0.2, " world": -4.0}),
+                        (2, {" there": -0.2, "Hello": -1.5, " world": -4.0})]:
+        r = CompletionRenderer("cmpl-x", "m", 1, 3, tokenizer, logprobs=n)
+        r.absorb(_event(0, " world", [world], "length", [lp]))
+        top = r.response()["choices"][0]["logprobs"]["top_logprobs"]
+        assert top == [expected] and list(top[0]) == list(expected), n
+
+
 # ---- one choice's life, without workers ----------------------------------------------------------
 
 
