@@ -65,7 +65,8 @@ class KVLink:
                     prompt = decode_prompt_logprobs(ev.payload)
                     if prompt is not None:
                         self._prompt_logprobs[ev.room] = prompt
-                    out.append(TransferOutcome(ev.room, TransferKind.ARRIVED, token))
+                    # the plan takes rank 0's token: the others' would only fill their buffer
+                    out.append(TransferOutcome(ev.room, TransferKind.ARRIVED, token if self.rank == 0 else None))
                 except (ValueError, KeyError, TypeError) as e:
                     self.agent.abort(ev.room)
                     out.append(failed(ev.room, f"bad completion payload: {e}"))

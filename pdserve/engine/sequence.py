@@ -83,7 +83,6 @@ class Sequence:
     max_len: int = 1 << 30  # the model's context length: prompt + output never exceeds it
     arrival: float = 0.0
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
     # rank 0, when params.prompt_logprobs is set: one per prompt token computed so far (the
     # first None: nothing precedes it); filled chunk by chunk by the model runner
     prompt_logprobs: list[TokenLogprobs | None] = field(default_factory=list)

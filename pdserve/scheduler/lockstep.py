@@ -357,7 +357,11 @@ class LockstepLoop:
                 logger.error("%s; stopping the worker", error)
                 plan.shutdown, plan.error = True, error
         t1 = time.perf_counter()
-        plan = self.comm.broadcast(plan)
+        if self.comm.size == 1:
+            plan = self.comm.broadcast(plan)
+        else:  # rank 0 keeps its own plan, logprobs and all
+            sent = self.comm.broadcast(plan.for_followers() if self.rank == 0 else None)
+            plan = plan if self.rank == 0 else sent
         self.agree_s = agree_s + time.perf_counter() - t1
         return plan
 

@@ -5,7 +5,7 @@ Rank 0 builds it; every rank applies it in the same order, so all ranks keep ide
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -128,6 +128,15 @@ class StepPlan:
     def idle(self) -> bool:
         return not (self.sampled or self.transfers or self.aborted or self.rejected or self.cancelled
                     or self.admitted or self.batch or self.peer_dead)
+
+    def for_followers(self) -> StepPlan:
+        """The plan as the other TP ranks get it: its tokens without their logprobs. Only rank
+        0's outputs reach clients, so the others need the ids alone, and 256 tokens with 20 top
+        logprobs each would be ≈ 120 KB a step of the plan's 128 KiB buffer."""
+        def bare(token: SampledToken | None) -> SampledToken | None:
+            return token if token is None or token.logprobs is None else replace(token, logprobs=None)
+        return replace(self, sampled=[bare(s) for s in self.sampled],
+                       transfers=[replace(t, token=bare(t.token)) for t in self.transfers])
 
 
 @dataclass

@@ -557,8 +557,6 @@ class Scheduler:
 
     def _append(self, seq: Sequence, s: SampledToken) -> StepOutput:
         seq.output_ids.append(s.token_id)
-        if s.logprobs is not None:
-            seq.logprobs.append(s.logprobs)
         reason = seq.stop_reason(s.token_id, len(seq.output_ids))
         if reason:
             self._finish(seq, reason)

@@ -85,3 +85,4 @@ def test_a_burst_of_landed_rooms_with_top_logprobs_is_agreed_over_several_steps(
     assert len(firsts) == ROOMS
     for rid, (token, logprobs) in firsts.items():
         assert token == expected[rid].token_id and logprobs == expected[rid].logprobs, rid
+        assert out[1][1][rid] == (token, None), rid  # rank 1 gets the token without its logprobs
