@@ -131,8 +131,8 @@ class StepPlan:
 
     def for_followers(self) -> StepPlan:
         """The plan as the other TP ranks get it: its tokens without their logprobs. Only rank
-        0's outputs reach clients, so the others need the ids alone, and 256 tokens with 20 top
-        logprobs each would be ≈ 120 KB a step of the plan's 128 KiB buffer."""
+        0's outputs reach clients, so the others need the ids alone: 256 tokens with 20 top
+        logprobs each pickle to ≈ 103 KB, of the plan's 128 KiB buffer, and to ≈ 18 KB without."""
         def bare(token: SampledToken | None) -> SampledToken | None:
             return token if token is None or token.logprobs is None else replace(token, logprobs=None)
         return replace(self, sampled=[bare(s) for s in self.sampled],
