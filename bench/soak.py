@@ -2,11 +2,14 @@
 prove nothing leaked (docs/liveness.md).
 
 Load (``--clients`` concurrent loops, each drawing one kind of request at a time): streaming and
-non-streaming chat, chat with tools, ``n`` > 1, streams the client drops at a random moment,
-bad requests (400 expected), and now and then a mass abort (a burst of streams all dropped
-after their first event). Checks at the end:
+non-streaming chat, chat with tools, ``n`` > 1, a JSON schema (``response_format``), 20 top
+logprobs, a text completion echoing its prompt with its logprobs, stop strings, streams the
+client drops at a random moment, bad requests (400 expected), and now and then a mass abort (a
+burst of streams all dropped after their first event). Checks at the end:
 
-* no request failed except by its own abort (a dropped stream) or an intended 429 / 400;
+* no request failed except by its own abort (a dropped stream) or an intended 429 / 400, and
+  every answer has the shape its request asked for (JSON that holds the schema's fields,
+  20 alternatives per token, one logprob per echoed prompt token, no stop string in the text);
 * RSS of the router and of every worker process grew < 5 % from the end of the warm-up;
 * open file descriptors flat (within a small slack) from the end of the warm-up;
 * every worker idle: no request waiting, running, transferring or in flight, no room live,
@@ -29,12 +32,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
 CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
 RSS_GROWTH_MAX = 0.05
 # Sockets of probes and keep-alive pools come and go: the router keeps up to one idle connection
 # per stream it had open at once, to its decode and its prefill worker (a 16-stream mass abort
@@ -44,6 +49,10 @@ FD_SLACK = 64
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Weather of a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+          "required": ["name", "age"], "additionalProperties": False}
+STOPS = [".", " the"]
 
 
 @dataclass
@@ -66,7 +75,7 @@ def messages(rng: random.Random) -> list[dict]:
 
 # One deck per client loop, shuffled each time it is used up: every kind comes in every round,
 # in proportion, however short the soak.
-DECK = ["stream"] * 3 + ["plain"] * 2 + ["tools", "n2", "drop", "drop", "bad"]
+DECK = ["stream"] * 3 + ["plain"] * 2 + ["tools", "n2", "json", "logprobs", "echo", "stop", "drop", "drop", "bad"]
 MASS_ABORT_EVERY = 6  # the first client loop's every 6th turn (from its 3rd) is a mass abort
 
 
@@ -81,6 +90,18 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally,
         body["tools"] = TOOLS
     if kind == "n2":
         body["n"] = 2
+    if kind == "json":
+        body.update(max_tokens=64, response_format={"type": "json_schema",
+                                                    "json_schema": {"name": "person", "schema": SCHEMA}})
+    if kind == "logprobs":
+        body.update(logprobs=True, top_logprobs=20)
+    if kind == "stop":
+        body.update(stop=STOPS, n=2)
+    if kind == "echo":
+        prompt = messages(rng)[0]["content"]
+        r = await http.post(COMPLETIONS, json={"prompt": prompt, "echo": True, "logprobs": 5,
+                                               "max_tokens": rng.choice([0, 4])})
+        return _judge(tally, kind, r.status_code, r.text, check=_echoed(prompt))
     if kind in ("stream", "drop"):
         body["stream"] = True
         drop_after = rng.randint(1, 8) if kind == "drop" else None
@@ -103,19 +124,69 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally,
                 tally.ok += 1
         return
     r = await http.post(CHAT, json=body)
-    _judge(tally, kind, r.status_code, r.text)
+    _judge(tally, kind, r.status_code, r.text, check=CHECKS.get(kind))
 
 
-def _judge(tally: Tally, kind: str, status: int, text: str, expect: int = 200) -> None:
+def _json_holds_the_schema(answer: dict) -> str | None:
+    choice = answer["choices"][0]
+    if choice["finish_reason"] != "stop":
+        return None  # cut by max_tokens: not complete JSON
+    value = json.loads(choice["message"]["content"])
+    if set(value) != {"name", "age"} or not isinstance(value["age"], int) or not 0 <= value["age"] <= 150:
+        return f"does not hold the schema: {value!r}"
+    return None
+
+
+def _twenty_alternatives(answer: dict) -> str | None:
+    content = answer["choices"][0]["logprobs"]["content"]
+    if len(content) != answer["usage"]["completion_tokens"] or any(len(t["top_logprobs"]) != 20 for t in content):
+        return "not one entry with 20 alternatives per output token"
+    return None
+
+
+def _no_stop_string(answer: dict) -> str | None:
+    for choice in answer["choices"]:
+        if any(stop in (choice["message"]["content"] or "") for stop in STOPS):
+            return f"a stop string in the text: {choice['message']['content']!r}"
+    return None
+
+
+def _echoed(prompt: str) -> Callable[[dict], str | None]:
+    def check(answer: dict) -> str | None:
+        choice, usage = answer["choices"][0], answer["usage"]
+        lp = choice["logprobs"]
+        if not choice["text"].startswith(prompt) or "".join(lp["tokens"][:usage["prompt_tokens"]]) != prompt:
+            return "the echo is not the prompt"
+        if len(lp["tokens"]) != usage["prompt_tokens"] + usage["completion_tokens"] or lp["top_logprobs"][0] is not None:
+            return "not one logprob entry per prompt and output token"
+        return None
+    return check
+
+
+CHECKS: dict[str, Callable[[dict], str | None]] = {
+    "json": _json_holds_the_schema, "logprobs": _twenty_alternatives, "stop": _no_stop_string}
+
+
+def _judge(tally: Tally, kind: str, status: int, text: str, expect: int = 200,
+           check: Callable[[dict], str | None] | None = None) -> None:
     if status == expect:
         if expect == 400:
             tally.bad_400 += 1
+        elif check is not None and (wrong := _checked(check, text)):
+            tally.unexpected.append(f"{kind}: {wrong}")
         else:
             tally.ok += 1
     elif status == 429:
         tally.rejected_429 += 1
     else:
         tally.unexpected.append(f"{kind}: HTTP {status}: {text[:200]}")
+
+
+def _checked(check: Callable[[dict], str | None], text: str) -> str | None:
+    try:
+        return check(json.loads(text))
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        return f"malformed answer ({type(e).__name__}: {e}): {text[:200]}"
 
 
 async def mass_abort(http: httpx.AsyncClient, rng: random.Random, tally: Tally, streams: int) -> None:
