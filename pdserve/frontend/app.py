@@ -46,9 +46,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.errors import (RETRY_AFTER_S, APIError, bad_api_key, from_status, internal, invalid,
                                      too_large, unavailable, validation_message)
-from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pdserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
+                                       TokenizeRequest)
 from pdserve.frontend.render import version
-from pdserve.frontend.requests import Call, Calls, Serving, create_chat_completion, create_completion
+from pdserve.frontend.requests import Call, Calls, Serving, create_chat_completion, create_completion, create_response
 from pdserve.frontend.server import Router
 from pdserve.frontend.tokens import detokenize, tokenize
 from pdserve.logs import REQUEST_ID
@@ -102,6 +103,11 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
     async def chat_completions(request: Request) -> Response:
         req = await _parse(request, ChatCompletionRequest)
         return await create_chat_completion(serving, req, _call(ids, request))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        req = await _parse(request, ResponsesRequest)
+        return await create_response(serving, req, _call(ids, request))
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict[str, Any]:

@@ -319,3 +319,52 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses: OpenAI's Responses API, served statelessly. Every turn sends the whole
+    conversation in `input` (messages, the model's function calls and their outputs); nothing is
+    stored, so `previous_response_id` and `conversation` are refused. The items and tools are
+    checked and turned into a chat request in ``responses``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    input: str | list[Any]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, ge=0, le=1)
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # not OpenAI's: reproducible sampling
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoiceName | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", …}}
+    reasoning: dict[str, Any] | None = None  # accepted; the model reasons as its template says
+    stream: bool = False
+    store: bool | None = None  # accepted; nothing is stored (the response says "store": false)
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: Literal["disabled"] | None = None  # "auto" would drop input items: not done
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    top_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _stateless(self) -> ResponsesRequest:
+        if self.previous_response_id is not None or self.conversation is not None:
+            raise ValueError("this server stores no responses or conversations: send the whole conversation "
+                             "in input (previous_response_id and conversation are not supported)")
+        if self.background:
+            raise ValueError("background responses are not supported")
+        if self.include:
+            raise ValueError(f"include is not supported (got {', '.join(map(repr, self.include))})")
+        if self.top_logprobs:
+            raise ValueError("top_logprobs is not supported here: /v1/chat/completions returns logprobs")
+        if isinstance(self.input, str) and not self.input:
+            raise ValueError("input must not be empty")
+        if isinstance(self.input, list) and not self.input:
+            raise ValueError("input must not be an empty list")
+        return self

@@ -109,6 +109,19 @@ class Renderer:
 
     object_name = ""
     chunk_object_name = ""
+    done_marker = True  # a stream ends with `data: [DONE]`
+
+    def sse(self, payload: dict[str, Any]) -> str:
+        """One stream event as sent."""
+        return event(payload)
+
+    def closing(self) -> list[dict[str, Any]]:
+        """The stream's last events, after every choice ended: the usage, when asked for."""
+        return [self.usage_chunk()] if self.include_usage else []
+
+    def failure(self, error: APIError) -> str:
+        """What ends a stream that failed: an OpenAI error object (no [DONE] follows)."""
+        return error_event(error)
 
     def __init__(self, response_id: str, model: str, num_choices: int, prompt_tokens: int,
                  tokenizer: Tokenizer, include_usage: bool = False, continuous_usage: bool = False) -> None:

@@ -4,12 +4,14 @@ choices' events → a JSON body or an SSE stream; abort and failure in one place
 * Chat: messages through the model's prompt format (``prompts``), the request's tool policy
   (``tools``) for the prompt and each choice's output parser (``output``), × n choices.
 * Completions: prompts (text or ids, one or many) × n choices, plain text out.
+* Responses (OpenAI's Responses API): turned into a chat request, answered as a Response
+  (``responses``).
 * Sampling: the OpenAI fields become one ``SamplingParams`` per choice (with a seed, choice i
   gets seed + i), after the context-length check.
 * Answer: non-streaming waits for every choice (or the first error, answered with its status)
   while watching for the client to go away; streaming sends the opening chunks, one chunk per
-  event, the usage chunk if asked, ``[DONE]``; an error mid-stream is sent as an error event and
-  the stream closed. Either way, leaving early cancels the generation, which aborts the rooms.
+  event, the usage chunk if asked, ``[DONE]`` (a Response: its own events, no ``[DONE]``); an
+  error mid-stream is sent as an error event and the stream closed. Either way, leaving early cancels the generation, which aborts the rooms.
 
 Each call is registered in ``Calls`` from its start to its end, so the router's drain can wait
 for it or stop it (``CallTracker.stop``), and is counted in the router's metrics. The handlers
@@ -34,8 +36,9 @@ from pdserve.frontend.errors import RETRY_AFTER_S, APIError, context_too_long, i
 from pdserve.frontend.json_calls import JsonCallDecoder
 from pdserve.frontend.output import ChatOutput, OutputDecoder, completion_decoder
 from pdserve.frontend.prompts import PromptBuilder
-from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields
-from pdserve.frontend.render import DONE, ChatRenderer, CompletionRenderer, SSEResponse, error_event, event
+from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, ResponsesRequest
+from pdserve.frontend.render import DONE, ChatRenderer, CompletionRenderer, SSEResponse
+from pdserve.frontend.responses import ResponsesRenderer, chat_request
 from pdserve.frontend.tools import (ToolPolicy, check_constraint, for_prompt, json_calls, output_constraint,
                                     router_grammars)
 from pdserve.frontend.workers import WorkerPool
@@ -48,7 +51,7 @@ logger = logging.getLogger(__name__)
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the request"
 SAMPLING_EPS = 1e-5   # temperatures below this sample greedily
 SEED_MODULUS = 2**63  # torch generators take non-negative 64-bit seeds; keep clear of the sign bit
-Renderer = ChatRenderer | CompletionRenderer
+Renderer = ChatRenderer | CompletionRenderer | ResponsesRenderer
 
 
 @dataclass
@@ -121,10 +124,13 @@ class Serving:
                           f"Please reduce the length of the {param}.", param, "context_length_exceeded")
 
 
-# ---- the two endpoints --------------------------------------------------------------------------
+# ---- the endpoints -------------------------------------------------------------------------------
 
 
-async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: Call) -> Response:
+async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: Call,
+                                 make_renderer: Callable[[str, int], Renderer] | None = None) -> Response:
+    """A chat completion; `make_renderer(model, prompt_tokens)` answers it in another format
+    (the Responses API) instead."""
     model = s.check_model(req.model)
     policy = ToolPolicy.of(req)
     constraint = await _constraint(s, req, policy)
@@ -138,15 +144,26 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: C
     rooms = room_ids(call.room_base, req.n)
     specs = [ChoiceSpec(i, rooms[i], prompt.ids, p) for i, p in enumerate(expand_choices(params, req.n))]
     stop, stop_ids = req.stop_list(), req.stop_token_ids or []
-    renderer = ChatRenderer(f"chatcmpl-{call.request_id}", model, len(specs), len(prompt.ids),
-                            s.tokenizer, include_usage=req.include_usage, continuous_usage=req.continuous_usage,
-                            top_logprobs=req.top_n)
+    renderer = make_renderer(model, len(prompt.ids)) if make_renderer is not None else ChatRenderer(
+        f"chatcmpl-{call.request_id}", model, len(specs), len(prompt.ids), s.tokenizer,
+        include_usage=req.include_usage, continuous_usage=req.continuous_usage, top_logprobs=req.top_n)
     if constraint is not None and json_calls(constraint[1], s.output.profile):  # JSON calls (json_calls.py)
         return await respond(s, call, specs, lambda _: JsonCallDecoder(s.tokenizer), renderer, req.stream)
     return await respond(s, call, specs,
                          lambda spec: s.output.decoder(spec.prompt_ids, stop, policy, stop_ids,
                                                       req.include_stop_str_in_output),
                          renderer, req.stream)
+
+
+async def create_response(s: Serving, req: ResponsesRequest, call: Call) -> Response:
+    """/v1/responses: the chat path, answered as a Response (responses.py)."""
+    try:
+        return await create_chat_completion(s, chat_request(req), call, lambda model, prompt_tokens: ResponsesRenderer(
+            f"resp_{call.request_id}", model, prompt_tokens, s.tokenizer, req))
+    except APIError as e:
+        if e.param == "messages":  # what the client sent as `input`
+            e.param = "input"
+        raise
 
 
 async def _constraint(s: Serving, req: GenerationFields, policy: ToolPolicy | None) -> tuple[GrammarSpec, str] | None:
@@ -322,18 +339,19 @@ async def _stream(first: ChoiceEvent | None, events: AsyncIterator[ChoiceEvent],
     `tracker.finish` (the response calls it even when the client left before the first byte
     and this never ran)."""
     for chunk in renderer.opening():
-        yield event(chunk)
+        yield renderer.sse(chunk)
     async for ev in _chain(first, events):
         tracker.saw(ev)
         if ev.error is not None:
             tracker.status = ev.error.status
-            yield error_event(ev.error)
+            yield renderer.failure(ev.error)
             return
         for chunk in renderer.absorb(ev):
-            yield event(chunk)
-    if renderer.include_usage:
-        yield event(renderer.usage_chunk())
-    yield DONE
+            yield renderer.sse(chunk)
+    for chunk in renderer.closing():
+        yield renderer.sse(chunk)
+    if renderer.done_marker:
+        yield DONE
     tracker.status = 200
 
 

@@ -12,6 +12,7 @@ from typing import Any
 API_KEY = "test-key"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 OVER_CONTEXT_WORDS = 9000  # one token per " hello": over SmolLM2's 8192-token context
 
 
@@ -40,6 +41,14 @@ def chat(**fields: Any) -> dict[str, Any]:
 
 def completion(**fields: Any) -> dict[str, Any]:
     return {"prompt": "Hello", "max_tokens": 4, **fields}
+
+
+def response(**fields: Any) -> dict[str, Any]:
+    return {"input": "Hi", "max_output_tokens": 4, **fields}
+
+
+WEATHER = {"type": "function", "name": "get_weather",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 
 
 def bad_input_cases(max_body: int) -> list[Case]:
@@ -86,6 +95,24 @@ def bad_input_cases(max_body: int) -> list[Case]:
         Case("completion_over_context", COMPLETIONS, body=completion(prompt=[28] * 9000),
              code="context_length_exceeded", param="prompt"),
         Case("completion_logprobs_too_many", COMPLETIONS, body=completion(logprobs=50), param="logprobs"),
+        Case("responses_input_missing", RESPONSES, body={"max_output_tokens": 4}, param="input"),
+        Case("responses_empty_input", RESPONSES, body=response(input="")),
+        Case("responses_previous_response_id", RESPONSES, body=response(previous_response_id="resp_123")),
+        Case("responses_background", RESPONSES, body=response(background=True)),
+        Case("responses_zero_max_output_tokens", RESPONSES, body=response(max_output_tokens=0),
+             param="max_output_tokens"),
+        Case("responses_image_part", RESPONSES, body=response(input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": "http://x/y.png"}]}]), param="input[0].content[0]"),
+        Case("responses_unknown_item", RESPONSES, body=response(input=[{"type": "item_reference", "id": "msg_1"}]),
+             param="input[0].type"),
+        Case("responses_call_without_call_id", RESPONSES, body=response(input=[
+            {"type": "function_call", "name": "get_weather", "arguments": "{}"}]), param="input[0].call_id"),
+        Case("responses_web_search_tool", RESPONSES, body=response(tools=[{"type": "web_search"}]),
+             param="tools[0]"),
+        Case("responses_tool_choice_unknown_function", RESPONSES,
+             body=response(tools=[WEATHER], tool_choice={"type": "function", "name": "get_time"})),
+        Case("responses_over_context", RESPONSES, body=response(input=long_text), code="context_length_exceeded",
+             param="input"),
         Case("oversize_body", CHAT, body=chat(padding="x" * (max_body + 1)), status=413,
              code="request_too_large"),
         Case("bad_api_key", CHAT, body=chat(), status=401, code="invalid_api_key",

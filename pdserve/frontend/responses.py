@@ -1,0 +1,322 @@
+"""OpenAI's Responses API (``POST /v1/responses``) on top of the chat path.
+
+A Responses request becomes a chat request (`chat_request`): `instructions` a system message,
+`input` items messages (a run of the model's `function_call` items one assistant message with
+those tool calls, a `function_call_output` a tool message), Responses-shaped function tools and
+`text.format` their chat forms. From there it takes the chat path unchanged: the model's
+template, the token-ID output parser, structured outputs, the workers.
+
+`ResponsesRenderer` turns the choice's parser events into output items, in the order the model
+wrote them: `reasoning`, `message` (one `output_text` part) and `function_call` items. Streaming
+sends OpenAI's typed events (``event: <type>`` and ``data: <json>``, each with its
+`sequence_number`): `response.created`, `response.in_progress`, then per item
+`response.output_item.added`, its deltas and `….done` events, `response.output_item.done`, and
+last `response.completed` (or `response.incomplete` when `max_output_tokens` cut the output,
+`response.failed` when it failed). No `[DONE]` follows, as OpenAI sends none.
+
+A call the model wrote that is not a valid call is never a `function_call` item a client would
+run: one whose start was streamed ends with status "incomplete"; every such call is listed in
+the response's `invalid_tool_calls`, as chat completions list them.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import time
+import uuid
+from typing import Any
+
+from pydantic import ValidationError
+
+from pdserve.frontend.choices import ChoiceEvent
+from pdserve.frontend.errors import APIError, invalid, validation_message
+from pdserve.frontend.protocol import ChatCompletionRequest, ResponsesRequest
+from pdserve.frontend.render import Renderer
+from pdserve.parsers import ContentDelta, InvalidCall, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
+from pdserve.tokenizer import Tokenizer
+
+ROLES = ("user", "assistant", "system", "developer")
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+# ---- request: Responses → chat -------------------------------------------------------------------
+
+
+def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
+    """The chat request that answers `req`; 400 (naming the Responses field) when an item, a
+    tool or the format cannot be expressed."""
+    messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
+    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+    for i, item in enumerate(items):
+        _add_item(messages, item, f"input[{i}]")
+    body: dict[str, Any] = {
+        "model": req.model, "messages": messages, "stream": req.stream,
+        "max_completion_tokens": req.max_output_tokens, "temperature": req.temperature, "top_p": req.top_p,
+        "seed": req.seed, "user": req.user, "parallel_tool_calls": req.parallel_tool_calls,
+        "tools": [_chat_tool(t, f"tools[{i}]") for i, t in enumerate(req.tools)] if req.tools else None,
+        "tool_choice": _chat_tool_choice(req.tool_choice),
+        "response_format": _response_format(req.text),
+    }
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as e:
+        message, _ = validation_message(e.errors(include_url=False))
+        raise invalid(message) from None
+
+
+def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
+    if not isinstance(item, dict):
+        raise invalid(f"{where}: an input item must be an object", where)
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        if role not in ROLES:
+            raise invalid(f"{where}.role must be one of {', '.join(ROLES)}, got {role!r}", f"{where}.role")
+        messages.append({"role": role, "content": _text(item.get("content"), f"{where}.content")})
+    elif kind == "function_call":
+        call = {"id": _string(item, "call_id", where), "type": "function",
+                "function": {"name": _string(item, "name", where), "arguments": _string(item, "arguments", where)}}
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant" and "tool_calls" in last:
+            last["tool_calls"].append(call)  # parallel calls: one assistant turn
+        elif last is not None and last["role"] == "assistant" and last.get("content") is not None:
+            last["tool_calls"] = [call]  # the text the model wrote before its calls
+        else:
+            messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+    elif kind == "function_call_output":
+        messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+                         "content": _text(item.get("output"), f"{where}.output")})
+    elif kind == "reasoning":
+        pass  # earlier reasoning: chat templates leave it out of later turns
+    else:
+        raise invalid(f"{where}: input items of type {kind!r} are not supported (message, function_call, "
+                      "function_call_output and reasoning are)", f"{where}.type")
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content: a string, or text parts joined."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(f"{where} must be a string or a list of text parts", where)
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise invalid(f"{where}[{j}]: only text parts are supported ({', '.join(TEXT_PARTS)}), got {kind!r}",
+                          f"{where}[{j}]")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _string(item: dict[str, Any], key: str, where: str) -> str:
+    value = item.get(key)
+    if not isinstance(value, str):
+        raise invalid(f"{where}.{key} must be a string", f"{where}.{key}")
+    return value
+
+
+def _chat_tool(tool: Any, where: str) -> dict[str, Any]:
+    """{"type": "function", "name", "description"?, "parameters"?, "strict"?} → the chat shape."""
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise invalid(f"{where}: only function tools are supported, got type {kind!r}", where)
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    if not isinstance(choice, dict):
+        return choice
+    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+        raise invalid('tool_choice must be "none", "auto", "required" or {"type": "function", "name": …}',
+                      "tool_choice")
+    return {"type": "function", "function": {"name": choice["name"]}}
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`text.format` → chat's `response_format` (a json_schema's name and schema move one level down)."""
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise invalid("text.format must be an object", "text.format")
+    if fmt.get("type") != "json_schema":
+        return fmt
+    schema = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+    return {"type": "json_schema", "json_schema": schema}
+
+
+# ---- response: parser events → output items and stream events -----------------------------------
+
+
+class ResponsesRenderer(Renderer):
+    """One choice's events → the Response object and its stream events (module docstring)."""
+
+    object_name = "response"
+    done_marker = False
+
+    def __init__(self, response_id: str, model: str, prompt_tokens: int, tokenizer: Tokenizer,
+                 req: ResponsesRequest) -> None:
+        super().__init__(response_id, model, 1, prompt_tokens, tokenizer)
+        self.created_at = time.time()
+        self.req = req
+        self.items: list[dict[str, Any]] = []  # output items, in the order they opened
+        self.open: int | None = None           # the item taking deltas
+        self.calls: dict[int, int] = {}        # the parser's call index → its item
+        self.sequence = 0
+        self.error: APIError | None = None
+
+    # ---- the Renderer interface --------------------------------------------------------------
+
+    def sse(self, payload: dict[str, Any]) -> str:
+        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+        return f"event: {payload['type']}\ndata: {data}\n\n"
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self._event("response.created", response=self.response()),
+                self._event("response.in_progress", response=self.response())]
+
+    def absorb(self, ev: ChoiceEvent) -> list[dict[str, Any]]:
+        self._update(ev, "")
+        out: list[dict[str, Any]] = []
+        for part in ev.batch.delta.parts if ev.batch is not None else []:
+            out += self._part(part)
+        if ev.finish_reason is not None:
+            out += self._close(final=True)
+        return out
+
+    def closing(self) -> list[dict[str, Any]]:
+        name = "response.incomplete" if self.status == "incomplete" else "response.completed"
+        return [self._event(name, response=self.response())]
+
+    def failure(self, error: APIError) -> str:
+        self.error = error
+        out = self._close(final=True)
+        return "".join(self.sse(e) for e in out) + self.sse(self._event("response.failed", response=self.response()))
+
+    def response(self) -> dict[str, Any]:
+        req, state = self.req, self.choices[0]
+        out: dict[str, Any] = {
+            "id": self.id, "object": "response", "created_at": self.created_at, "model": self.model,
+            "status": self.status, "output": copy.deepcopy(self.items),
+            "error": None if self.error is None else {"code": self.error.code or self.error.type,
+                                                      "message": self.error.message},
+            "incomplete_details": {"reason": "max_output_tokens"} if self.status == "incomplete" else None,
+            "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
+            "temperature": req.temperature, "top_p": req.top_p, "tools": req.tools or [],
+            "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
+            "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
+            "metadata": req.metadata or {}, "user": req.user,
+            "usage": None if self.status == "in_progress" else {
+                "input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": state.cached_tokens},
+                # reasoning is not counted apart from the rest of the output
+                "output_tokens": state.num_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": self.prompt_tokens + state.num_tokens},
+        }
+        if state.invalid:
+            out["invalid_tool_calls"] = state.invalid
+        return out
+
+    @property
+    def status(self) -> str:
+        reason = self.choices[0].finish_reason
+        if self.error is not None:
+            return "failed"
+        if reason is None:
+            return "in_progress"
+        return "incomplete" if reason == "length" else "completed"
+
+    # ---- items ------------------------------------------------------------------------------
+
+    def _part(self, part: object) -> list[dict[str, Any]]:
+        state = self.choices[0]
+        if isinstance(part, ContentDelta):
+            state.pieces.append(part.text)
+            return self._text("message", part.text)
+        if isinstance(part, ReasoningDelta):
+            state.reasoning.append(part.text)
+            return self._text("reasoning", part.text)
+        if isinstance(part, ToolCallStart):
+            out = self._close()
+            self.calls[part.index] = self.open = len(self.items)
+            self.items.append({"type": "function_call", "id": _item_id("fc"), "call_id": part.id,
+                               "name": part.name, "arguments": "", "status": "in_progress"})
+            return out + [self._added()]
+        if isinstance(part, ToolCallArgs):
+            item = self.items[self.calls[part.index]]
+            item["arguments"] += part.fragment
+            return [self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                output_index=self.calls[part.index], delta=part.fragment)]
+        if isinstance(part, ToolCallEnd):
+            if not part.complete:
+                self.items[self.calls[part.index]]["status"] = "incomplete"
+            return self._close() if self.open == self.calls[part.index] else []
+        if isinstance(part, InvalidCall):
+            state.invalid.append({"index": part.index, "name": part.name, "text": part.text, "reason": part.reason})
+            if part.index is not None:  # streamed already: it must not read as a call to run
+                self.items[self.calls[part.index]]["status"] = "incomplete"
+                return self._close() if self.open == self.calls[part.index] else []
+        return []
+
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        """A text delta of a message or of reasoning, opening such an item when another is open."""
+        out: list[dict[str, Any]] = []
+        if self.open is None or self.items[self.open]["type"] != kind:
+            out += self._close()
+            self.open = len(self.items)
+            part_type = "output_text" if kind == "message" else "reasoning_text"
+            part: dict[str, Any] = {"type": part_type, "text": ""}
+            if kind == "message":
+                part["annotations"] = []
+                self.items.append({"type": "message", "id": _item_id("msg"), "status": "in_progress",
+                                   "role": "assistant", "content": [part]})
+            else:
+                self.items.append({"type": "reasoning", "id": _item_id("rs"), "summary": [], "content": [part],
+                                   "status": "in_progress"})
+            out += [self._added(), self._event("response.content_part.added", item_id=self.items[self.open]["id"],
+                                               output_index=self.open, content_index=0, part=dict(part))]
+        item = self.items[self.open]
+        item["content"][0]["text"] += text
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        return out + [self._event(name, item_id=item["id"], output_index=self.open, content_index=0,
+                                  delta=text, **extra)]
+
+    def _added(self) -> dict[str, Any]:
+        item = dict(self.items[self.open])
+        if "content" in item:
+            item["content"] = []  # its part comes in content_part.added
+        return self._event("response.output_item.added", output_index=self.open, item=item)
+
+    def _close(self, final: bool = False) -> list[dict[str, Any]]:
+        """The open item's done events. Another item follows it (complete), or the output ended
+        (`final`): cut by the token limit or a failure (incomplete) or not."""
+        if self.open is None:
+            return []
+        index, self.open = self.open, None
+        item = self.items[index]
+        if item["status"] == "in_progress":
+            cut = final and self.status in ("incomplete", "failed")
+            item["status"] = "incomplete" if cut else "completed"
+        out = []
+        if item["type"] == "function_call":
+            out.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                                   name=item["name"], arguments=item["arguments"]))
+        else:
+            part = item["content"][0]
+            name = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
+            extra = {"logprobs": []} if item["type"] == "message" else {}
+            out += [self._event(name, item_id=item["id"], output_index=index, content_index=0, text=part["text"],
+                                **extra),
+                    self._event("response.content_part.done", item_id=item["id"], output_index=index,
+                                content_index=0, part=dict(part))]
+        return out + [self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
+
+    def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        self.sequence += 1
+        return {"type": kind, "sequence_number": self.sequence - 1, **fields}
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"

@@ -1,0 +1,143 @@
+"""The Responses API without workers: a request's items as the chat request that answers it, and
+parser events as output items and stream events (responses.py)."""
+from __future__ import annotations
+
+import pytest
+
+from pdserve.frontend.choices import Batch, ChoiceEvent
+from pdserve.frontend.errors import APIError
+from pdserve.frontend.output import OutputDelta
+from pdserve.frontend.protocol import ResponsesRequest
+from pdserve.frontend.responses import ResponsesRenderer, chat_request
+from pdserve.parsers import ContentDelta, InvalidCall, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}, "strict": True}
+
+
+def test_items_become_the_chat_messages_of_one_conversation():
+    req = ResponsesRequest.model_validate({
+        "instructions": "Be brief.", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"},
+        "max_output_tokens": 30, "temperature": 0.5, "seed": 7,
+        "input": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Weather in "},
+                                         {"type": "input_text", "text": "Paris and Rome?"}]},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+            {"type": "function_call", "call_id": "call_2", "name": "get_weather", "arguments": '{"city": "Rome"}'},
+            {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+            {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "rain"}]},
+            {"type": "function_call", "call_id": "call_3", "name": "get_weather", "arguments": "{}"},
+        ]})
+    chat = chat_request(req)
+    messages = [m.model_dump(exclude_none=True) for m in chat.messages]
+    assert messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "rain"},
+        {"role": "assistant", "tool_calls": [
+            {"id": "call_3", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+    ]
+    assert chat.tools == [{"type": "function", "function": {k: WEATHER[k] for k in
+                                                           ("name", "description", "parameters", "strict")}}]
+    assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert (chat.output_limit, chat.temperature, chat.seed, chat.n) == (30, 0.5, 7, 1)
+
+
+def test_text_format_becomes_the_response_format():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    req = ResponsesRequest.model_validate({"input": "x", "text": {"format": {
+        "type": "json_schema", "name": "thing", "schema": schema, "strict": True}}})
+    assert chat_request(req).response_format == {"type": "json_schema",
+                                                 "json_schema": {"name": "thing", "schema": schema, "strict": True}}
+    req = ResponsesRequest.model_validate({"input": "x", "text": {"format": {"type": "json_object"}}})
+    assert chat_request(req).response_format == {"type": "json_object"}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0].content[0]"),
+    ({"input": [{"role": "critic", "content": "x"}]}, "input[0].role"),
+    ({"input": ["just a string"]}, "input[0]"),
+    ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
+    ({"input": "x", "tools": [{"type": "file_search"}]}, "tools[0]"),
+    ({"input": "x", "text": {"format": "json"}}, "text.format"),
+])
+def test_what_cannot_be_expressed_is_refused_with_its_field(body, param):
+    with pytest.raises(APIError) as e:
+        chat_request(ResponsesRequest.model_validate(body))
+    assert e.value.status == 400 and e.value.param == param
+
+
+def renderer() -> ResponsesRenderer:
+    req = ResponsesRequest.model_validate({"input": "x", "tools": [WEATHER], "max_output_tokens": 50})
+    return ResponsesRenderer("resp_1", "m", 12, None, req)
+
+
+def event(parts, tokens: int, finish: str | None = None) -> ChoiceEvent:
+    return ChoiceEvent(0, Batch(OutputDelta(parts=parts), list(range(tokens))), finish, None, tokens,
+                       cached_tokens=4 if finish else None)
+
+
+def test_events_open_one_item_per_run_in_the_order_the_model_wrote_them():
+    r = renderer()
+    opening = r.opening()
+    assert [e["type"] for e in opening] == ["response.created", "response.in_progress"]
+    assert opening[0]["response"]["status"] == "in_progress" and opening[0]["response"]["output"] == []
+    events = r.absorb(event([ReasoningDelta("Think"), ReasoningDelta("ing."), ContentDelta("Let me check.")], 3))
+    events += r.absorb(event([ToolCallStart(0, "call_a", "get_weather"), ToolCallArgs(0, '{"city": '),
+                              ToolCallArgs(0, '"Oslo"}'), ToolCallEnd(0, True)], 5, "tool_calls"))
+    events += r.closing()
+    assert [(e["type"], e.get("output_index")) for e in events] == [
+        ("response.output_item.added", 0), ("response.content_part.added", 0),
+        ("response.reasoning_text.delta", 0), ("response.reasoning_text.delta", 0),
+        ("response.reasoning_text.done", 0), ("response.content_part.done", 0), ("response.output_item.done", 0),
+        ("response.output_item.added", 1), ("response.content_part.added", 1), ("response.output_text.delta", 1),
+        ("response.output_text.done", 1), ("response.content_part.done", 1), ("response.output_item.done", 1),
+        ("response.output_item.added", 2), ("response.function_call_arguments.delta", 2),
+        ("response.function_call_arguments.delta", 2), ("response.function_call_arguments.done", 2),
+        ("response.output_item.done", 2), ("response.completed", None)]
+    assert [e["sequence_number"] for e in opening + events] == list(range(len(opening + events)))
+    final = r.response()
+    assert events[-1]["response"] == final
+    reasoning, message, call = final["output"]
+    assert reasoning["content"] == [{"type": "reasoning_text", "text": "Thinking."}]
+    assert message["content"] == [{"type": "output_text", "text": "Let me check.", "annotations": []}]
+    assert {k: call[k] for k in ("type", "call_id", "name", "arguments", "status")} == {
+        "type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": '{"city": "Oslo"}',
+        "status": "completed"}
+    assert [e["item"] for e in events if e["type"] == "response.output_item.done"] == final["output"]
+    assert final["status"] == "completed" and final["incomplete_details"] is None
+    assert final["usage"] == {"input_tokens": 12, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 5,
+                              "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 17}
+
+
+def test_a_cut_output_is_incomplete_and_an_invalid_call_is_never_a_call_to_run():
+    r = renderer()
+    r.absorb(event([ContentDelta("Sure."), ToolCallStart(0, "call_a", "get_weather"), ToolCallArgs(0, '{"ci')], 4))
+    events = r.absorb(event([InvalidCall(0, "get_weather", '{"ci', "bad_arguments"),
+                             InvalidCall(None, "get_time", "{", "bad_arguments")], 6, "length"))
+    assert [e["type"] for e in events] == ["response.function_call_arguments.done", "response.output_item.done"]
+    final = r.response()
+    message, call = final["output"]
+    assert message["status"] == "completed"  # another item followed it: the cut came later
+    assert call["status"] == "incomplete" and events[-1]["item"]["status"] == "incomplete"
+    assert [c["name"] for c in final["invalid_tool_calls"]] == ["get_weather", "get_time"]
+    assert final["status"] == "incomplete" and final["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert r.closing()[0]["type"] == "response.incomplete"
+
+
+def test_a_failure_mid_stream_closes_the_open_item_and_ends_with_response_failed():
+    r = renderer()
+    r.absorb(event([ContentDelta("Hel")], 1))
+    text = r.failure(APIError("the decode worker was lost", 503, "service_unavailable", None, "worker_lost"))
+    blocks = [b for b in text.split("\n\n") if b]
+    assert [b.split("\n")[0] for b in blocks] == ["event: response.output_text.done", "event: response.content_part.done",
+                                                  "event: response.output_item.done", "event: response.failed"]
+    final = r.response()
+    assert final["status"] == "failed" and final["output"][0]["status"] == "incomplete"
+    assert final["error"] == {"code": "worker_lost", "message": "the decode worker was lost"}

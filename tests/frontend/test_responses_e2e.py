@@ -1,0 +1,121 @@
+"""The Responses API through `pdserve serve` (PD) and the official `openai` SDK: a response is the
+chat completion of the same conversation (greedy, token for token, the same usage), streamed or
+not; the SDK's stream helper, which checks every event against the items it opened, rebuilds the
+same response; a forced function call comes back as a `function_call` item, and sending it with
+its output continues the conversation exactly as the chat messages of that turn would; a JSON
+schema in `text.format` holds."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from tests.frontend.router_cases import API_KEY, WEATHER
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
+
+MODEL = "SmolLM2-135M-Instruct"
+STRICT_WEATHER = {**WEATHER, "strict": True,
+                  "parameters": {**WEATHER["parameters"], "additionalProperties": False}}
+CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in STRICT_WEATHER.items() if k != "type"}}
+QUESTION = "What is the weather in Paris?"
+
+
+@pytest.fixture(scope="module")
+def client(pd_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=pd_server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("limit, status", [(6, "incomplete"), (80, "completed")])
+def test_a_response_is_the_chat_completion_of_the_same_conversation(client, limit, status):
+    r = client.responses.create(model=MODEL, instructions="Be brief.", input="Say hi", max_output_tokens=limit,
+                                temperature=0)
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Be brief."},
+                                                              {"role": "user", "content": "Say hi"}],
+                                       max_tokens=limit, temperature=0)
+    assert c.choices[0].finish_reason == ("length" if status == "incomplete" else "stop")
+    assert r.status == status and r.id.startswith("resp_") and r.object == "response"
+    assert r.incomplete_details == (None if status == "completed" else
+                                    openai.types.responses.response.IncompleteDetails(reason="max_output_tokens"))
+    [message] = r.output
+    assert message.type == "message" and message.status == status and message.role == "assistant"
+    assert r.output_text == c.choices[0].message.content
+    assert (r.usage.input_tokens, r.usage.output_tokens) == (c.usage.prompt_tokens, c.usage.completion_tokens)
+    assert r.usage.total_tokens == c.usage.total_tokens
+
+
+def test_a_streamed_response_is_the_same_response(client):
+    whole = client.responses.create(model=MODEL, input="Say hi", max_output_tokens=40, temperature=0)
+    with client.responses.stream(model=MODEL, input="Say hi", max_output_tokens=40, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    types = [e.type for e in events]
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert types == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.content_part.added", *["response.output_text.delta"] * len(deltas),
+                     "response.output_text.done", "response.content_part.done", "response.output_item.done",
+                     "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(deltas) == final.output_text == whole.output_text and len(deltas) > 1
+    assert final.id == events[0].response.id and final.status == whole.status == "completed"
+    assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_the_stream_is_typed_events_with_no_done_marker(pd_server):
+    body = {"model": MODEL, "input": "Say hi", "max_output_tokens": 8, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{pd_server.v1}/responses", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        blocks = r.read().decode().strip().split("\n\n")
+    for block in blocks:
+        name, data = block.split("\n")
+        assert name == f"event: {json.loads(data.removeprefix('data: '))['type']}"
+    assert blocks[-1].startswith("event: response.incomplete\n")  # 8 tokens: cut by max_output_tokens
+
+
+def test_a_function_call_and_its_output_continue_the_conversation_as_chat_does(client):
+    r = client.responses.create(model=MODEL, input=QUESTION, tools=[STRICT_WEATHER], tool_choice="required",
+                                max_output_tokens=60, temperature=0)
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                       tools=[CHAT_WEATHER], tool_choice="required", max_tokens=60, temperature=0)
+    calls = [o for o in r.output if o.type == "function_call"]
+    assert r.status == "completed" and calls and all(o.status == "completed" for o in calls)
+    assert [(o.name, o.arguments) for o in calls] == [(t.function.name, t.function.arguments)
+                                                      for t in c.choices[0].message.tool_calls]
+    assert "city" in json.loads(calls[0].arguments)
+
+    outputs = [{"type": "function_call_output", "call_id": o.call_id, "output": "Sunny, 21 C"} for o in calls]
+    after = client.responses.create(model=MODEL, input=[{"role": "user", "content": QUESTION},
+                                                        *[o.to_dict() for o in calls], *outputs],
+                                    tools=[STRICT_WEATHER], max_output_tokens=40, temperature=0)
+    messages = [{"role": "user", "content": QUESTION},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": o.call_id, "type": "function", "function": {"name": o.name, "arguments": o.arguments}}
+                    for o in calls]},
+                *[{"role": "tool", "tool_call_id": o["call_id"], "content": o["output"]} for o in outputs]]
+    chat_after = client.chat.completions.create(model=MODEL, messages=messages, tools=[CHAT_WEATHER], max_tokens=40,
+                                                temperature=0)
+    assert after.usage.input_tokens == chat_after.usage.prompt_tokens
+    assert after.output_text == chat_after.choices[0].message.content and after.output_text
+
+    with client.responses.stream(model=MODEL, input=QUESTION, tools=[STRICT_WEATHER], tool_choice="required",
+                                 max_output_tokens=60, temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert [(o.name, o.arguments) for o in final.output] == [(o.name, o.arguments) for o in calls]
+    assert args == "".join(o.arguments for o in calls)
+
+
+def test_a_json_schema_format_holds(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+              "required": ["name", "age"], "additionalProperties": False}
+    r = client.responses.create(model=MODEL, input="Describe a person.", max_output_tokens=60, temperature=0,
+                                text={"format": {"type": "json_schema", "name": "person", "schema": schema,
+                                                 "strict": True}})
+    assert r.status == "completed"
+    value = json.loads(r.output_text)
+    assert set(value) == {"name", "age"} and isinstance(value["age"], int)
