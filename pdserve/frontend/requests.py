@@ -11,7 +11,8 @@ choices' events → a JSON body or an SSE stream; abort and failure in one place
 * Answer: non-streaming waits for every choice (or the first error, answered with its status)
   while watching for the client to go away; streaming sends the opening chunks, one chunk per
   event, the usage chunk if asked, ``[DONE]`` (a Response: its own events, no ``[DONE]``); an
-  error mid-stream is sent as an error event and the stream closed. Either way, leaving early cancels the generation, which aborts the rooms.
+  error mid-stream is sent as an error event and the stream closed. Either way, leaving early
+  cancels the generation, which aborts the rooms.
 
 Each call is registered in ``Calls`` from its start to its end, so the router's drain can wait
 for it or stop it (``CallTracker.stop``), and is counted in the router's metrics. The handlers
