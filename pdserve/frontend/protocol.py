@@ -321,6 +321,14 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+# `include` values that change nothing here: the tools they are about are refused, and reasoning
+# items carry their text, never encrypted content (Codex asks for it with every request)
+RESPONSES_INCLUDE_NOOP = frozenset({
+    "reasoning.encrypted_content", "file_search_call.results", "web_search_call.results",
+    "web_search_call.action.sources", "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+    "message.input_image.image_url"})
+
+
 class ResponsesRequest(BaseModel):
     """POST /v1/responses: OpenAI's Responses API, served statelessly. Every turn sends the whole
     conversation in `input` (messages, the model's function calls and their outputs); nothing is
@@ -359,10 +367,12 @@ class ResponsesRequest(BaseModel):
                              "in input (previous_response_id and conversation are not supported)")
         if self.background:
             raise ValueError("background responses are not supported")
-        if self.include:
-            raise ValueError(f"include is not supported (got {', '.join(map(repr, self.include))})")
-        if self.top_logprobs:
-            raise ValueError("top_logprobs is not supported here: /v1/chat/completions returns logprobs")
+        if "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs:
+            raise ValueError("logprobs are not supported here (include message.output_text.logprobs, "
+                             "top_logprobs): /v1/chat/completions returns them")
+        unknown = [v for v in self.include or () if v not in RESPONSES_INCLUDE_NOOP]
+        if unknown:
+            raise ValueError(f"unknown include value(s): {', '.join(map(repr, unknown))}")
         if isinstance(self.input, str) and not self.input:
             raise ValueError("input must not be empty")
         if isinstance(self.input, list) and not self.input:

@@ -99,6 +99,8 @@ def bad_input_cases(max_body: int) -> list[Case]:
         Case("responses_empty_input", RESPONSES, body=response(input="")),
         Case("responses_previous_response_id", RESPONSES, body=response(previous_response_id="resp_123")),
         Case("responses_background", RESPONSES, body=response(background=True)),
+        Case("responses_include_logprobs", RESPONSES, body=response(include=["message.output_text.logprobs"])),
+        Case("responses_include_unknown", RESPONSES, body=response(include=["reasoning.summary_text"])),
         Case("responses_zero_max_output_tokens", RESPONSES, body=response(max_output_tokens=0),
              param="max_output_tokens"),
         Case("responses_image_part", RESPONSES, body=response(input=[{"role": "user", "content": [

@@ -48,7 +48,9 @@ def test_a_response_is_the_chat_completion_of_the_same_conversation(client, limi
 
 def test_a_streamed_response_is_the_same_response(client):
     whole = client.responses.create(model=MODEL, input="Say hi", max_output_tokens=40, temperature=0)
-    with client.responses.stream(model=MODEL, input="Say hi", max_output_tokens=40, temperature=0) as stream:
+    # as Codex asks: nothing stored, reasoning's encrypted content included (there is none)
+    with client.responses.stream(model=MODEL, input="Say hi", max_output_tokens=40, temperature=0, store=False,
+                                 include=["reasoning.encrypted_content"]) as stream:
         events = list(stream)
         final = stream.get_final_response()
     types = [e.type for e in events]
