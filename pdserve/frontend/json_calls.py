@@ -163,6 +163,7 @@ class JsonCallDecoder:
     """An ``OutputDecoder`` (frontend/output.py) for grammar-constrained JSON calls."""
 
     stopped = False  # stop strings do not apply inside a call
+    stop_sequence = None
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._text = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)

@@ -65,6 +65,7 @@ class OutputDelta:
 
 class OutputDecoder(Protocol):
     stopped: bool               # a stop condition was met inside the text (the workers must be told)
+    stop_sequence: str | None   # the stop string that ended it, if one did
     finish_reason: str | None   # set by finish(): the choice's finish reason
 
     def push(self, token_id: int) -> OutputDelta: ...
@@ -86,6 +87,10 @@ class TextDecoder:
     @property
     def stopped(self) -> bool:
         return self._text.stopped
+
+    @property
+    def stop_sequence(self) -> str | None:
+        return self._text.stop_sequence
 
     def push(self, token_id: int) -> OutputDelta:
         if self._tokenizer.is_special(token_id):
@@ -114,6 +119,10 @@ class ParsedDecoder:
     @property
     def stopped(self) -> bool:
         return self._stops.stopped
+
+    @property
+    def stop_sequence(self) -> str | None:
+        return self._stops.matched
 
     def push(self, token_id: int) -> OutputDelta:
         if self.stopped:

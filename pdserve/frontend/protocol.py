@@ -378,3 +378,40 @@ class ResponsesRequest(BaseModel):
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must not be an empty list")
         return self
+
+
+class MessagesRequest(BaseModel):
+    """POST /v1/messages: Anthropic's Messages API. The blocks and tools are checked and turned
+    into a chat request in ``messages``; `thinking`, `metadata`, `output_config.effort` and
+    cache-control marks are accepted and change nothing (the model reasons as its template says;
+    the prefix cache needs no marks). The current `anthropic` SDK sends `temperature`, `top_p`
+    and `top_k` only in `extra_body`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, ge=0, le=1)
+    top_k: int | None = Field(None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema"}}; effort: unused
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+
+
+class CountTokensRequest(BaseModel):
+    """POST /v1/messages/count_tokens: a Messages request's prompt size, without generating."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    system: str | list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None

@@ -4,8 +4,8 @@ choices' events → a JSON body or an SSE stream; abort and failure in one place
 * Chat: messages through the model's prompt format (``prompts``), the request's tool policy
   (``tools``) for the prompt and each choice's output parser (``output``), × n choices.
 * Completions: prompts (text or ids, one or many) × n choices, plain text out.
-* Responses (OpenAI's Responses API): turned into a chat request, answered as a Response
-  (``responses``).
+* Responses (OpenAI's Responses API) and Messages (Anthropic's): turned into a chat request,
+  answered in their own format (``responses``, ``messages``).
 * Sampling: the OpenAI fields become one ``SamplingParams`` per choice (with a seed, choice i
   gets seed + i), after the context-length check.
 * Answer: non-streaming waits for every choice (or the first error, answered with its status)
@@ -33,12 +33,16 @@ from fastapi.responses import JSONResponse, Response
 from pdserve.frontend.choices import ChoiceEvent, ChoiceSpec, Generation, Services, route_text
 from pdserve.frontend.admission import Admission
 from pdserve.frontend.config import RouterConfig
-from pdserve.frontend.errors import RETRY_AFTER_S, APIError, context_too_long, invalid, model_not_found, unavailable
+from pdserve.frontend.errors import (RETRY_AFTER_S, APIError, body_for, context_too_long, invalid, model_not_found,
+                                     unavailable)
 from pdserve.frontend.json_calls import JsonCallDecoder
 from pdserve.frontend.output import ChatOutput, OutputDecoder, completion_decoder
 from pdserve.frontend.prompts import PromptBuilder
-from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest, GenerationFields, ResponsesRequest
+from pdserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest, GenerationFields, MessagesRequest,
+                                       ResponsesRequest)
 from pdserve.frontend.render import DONE, ChatRenderer, CompletionRenderer, SSEResponse
+from pdserve.frontend.messages import MessagesRenderer
+from pdserve.frontend.messages import chat_request as messages_chat_request
 from pdserve.frontend.responses import ResponsesRenderer, chat_request
 from pdserve.frontend.tools import (ToolPolicy, check_constraint, for_prompt, json_calls, output_constraint,
                                     router_grammars)
@@ -52,7 +56,7 @@ logger = logging.getLogger(__name__)
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the request"
 SAMPLING_EPS = 1e-5   # temperatures below this sample greedily
 SEED_MODULUS = 2**63  # torch generators take non-negative 64-bit seeds; keep clear of the sign bit
-Renderer = ChatRenderer | CompletionRenderer | ResponsesRenderer
+Renderer = ChatRenderer | CompletionRenderer | ResponsesRenderer | MessagesRenderer
 
 
 @dataclass
@@ -165,6 +169,12 @@ async def create_response(s: Serving, req: ResponsesRequest, call: Call) -> Resp
         if e.param == "messages":  # what the client sent as `input`
             e.param = "input"
         raise
+
+
+async def create_message(s: Serving, req: MessagesRequest, call: Call) -> Response:
+    """/v1/messages: the chat path, answered as an Anthropic message (messages.py)."""
+    return await create_chat_completion(s, messages_chat_request(req), call, lambda model, prompt_tokens:
+                                        MessagesRenderer(f"msg_{call.request_id}", model, prompt_tokens, s.tokenizer))
 
 
 async def _constraint(s: Serving, req: GenerationFields, policy: ToolPolicy | None) -> tuple[GrammarSpec, str] | None:
@@ -321,7 +331,7 @@ async def _first_event(events: AsyncIterator[ChoiceEvent], tracker: CallTracker,
             return ev
         tracker.saw(ev)
         tracker.status = ev.error.status
-        return _error_response(ev.error)
+        return _error_response(ev.error, tracker.call.endpoint)
     finally:
         gone.cancel()
         if not streaming:
@@ -329,9 +339,9 @@ async def _first_event(events: AsyncIterator[ChoiceEvent], tracker: CallTracker,
             tracker.finish()
 
 
-def _error_response(error: APIError) -> JSONResponse:
+def _error_response(error: APIError, path: str) -> JSONResponse:
     retry = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
-    return JSONResponse(error.body(), status_code=error.status, headers=retry)
+    return JSONResponse(body_for(path, error), status_code=error.status, headers=retry)
 
 
 async def _stream(first: ChoiceEvent | None, events: AsyncIterator[ChoiceEvent], renderer: Renderer,
@@ -383,8 +393,7 @@ async def _collect(gen: Generation, renderer: Renderer, tracker: CallTracker, ht
         error = work.result()
         if error is not None:
             tracker.status = error.status
-            retry = {"Retry-After": str(RETRY_AFTER_S)} if error.status == 503 else None
-            return JSONResponse(error.body(), status_code=error.status, headers=retry)
+            return _error_response(error, tracker.call.endpoint)
         tracker.status = 200
         return JSONResponse(renderer.response())
     finally:

@@ -1,7 +1,9 @@
-"""POST /tokenize and /detokenize, GET /version: what vLLM users reach for beside the OpenAI API.
+"""POST /tokenize and /detokenize, GET /version: what vLLM users reach for beside the OpenAI API;
+POST /v1/messages/count_tokens, Anthropic's.
 
-/tokenize renders `messages` through the same path as /v1/chat/completions (template, tools,
-the model's prompt style), so its ids are the ones a chat request would send to the workers.
+/tokenize and count_tokens render messages through the same path as /v1/chat/completions
+(template, tools, the model's prompt style), so their ids are the ones a chat request would send
+to the workers.
 """
 from __future__ import annotations
 
@@ -12,7 +14,9 @@ from pydantic import ValidationError
 
 from pdserve.frontend.errors import invalid, validation_message
 from pdserve.frontend.prompts import Prompt
-from pdserve.frontend.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from pdserve.frontend.messages import chat_request as messages_chat_request
+from pdserve.frontend.protocol import (ChatCompletionRequest, CountTokensRequest, DetokenizeRequest, MessagesRequest,
+                                       TokenizeRequest)
 from pdserve.frontend.render import token_text
 from pdserve.frontend.requests import Serving
 from pdserve.frontend.tools import ToolPolicy
@@ -37,6 +41,15 @@ async def tokenize(s: Serving, req: TokenizeRequest) -> dict[str, Any]:
     if req.return_token_strs:
         out["token_strs"] = [token_text(s.tokenizer, t) for t in prompt.ids]
     return out
+
+
+async def count_tokens(s: Serving, req: CountTokensRequest) -> dict[str, Any]:
+    """The prompt tokens a Messages request with these messages, system and tools would have."""
+    s.check_model(req.model)
+    body = {**req.model_dump(exclude_none=True), "max_tokens": 1}  # generation settings do not count
+    chat = messages_chat_request(MessagesRequest.model_validate(body))
+    prompt = await s.prompts.chat(chat, ToolPolicy.of(chat).prompt_tools, s.output.prompt_style)
+    return {"input_tokens": len(prompt.ids)}
 
 
 def detokenize(s: Serving, req: DetokenizeRequest) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.frontend.conftest import start_server, stop_server
+from tests.frontend.conftest import Server, start_server, stop_server
 from tests.frontend.scripted import FAMILIES, write_tokenizer
 from tests.tiny_models import make_deepseek
 
@@ -17,15 +17,15 @@ PROMPTS = ["Write a haiku about the sea.", "List three prime numbers and explain
            "Say hello to everyone in the room, politely.", "What is the capital of France? Answer in one word, then explain the history of the city."]
 
 
-def completions(url: str) -> list[list[str]]:
-    """Greedy continuations (token strings, from logprobs) of every prompt, sent concurrently."""
+def completions(server: Server) -> list[list[str]]:
+    """Greedy continuations (token strings, from logprobs) of every prompt, one after another."""
     with httpx.Client(timeout=120) as client:
         outs = []
         for prompt in PROMPTS:
-            r = client.post(f"{url}/v1/chat/completions", json={
+            r = client.post(f"{server.url}/v1/chat/completions", json={
                 "model": "tiny-glm5", "messages": [{"role": "user", "content": prompt}],
                 "temperature": 0, "max_tokens": 20, "ignore_eos": True, "logprobs": True})
-            assert r.status_code == 200, r.text
+            assert r.status_code == 200, r.text + "\nthe server's last lines:\n" + "\n".join(list(server.log)[-60:])
             body = r.json()
             assert body["usage"]["prompt_tokens"] > 8  # past index_topk: sparsity applies
             outs.append([t["token"] for t in body["choices"][0]["logprobs"]["content"]])
@@ -47,7 +47,7 @@ def test_pd_equals_colocated(tmp_path):
                               "--mode", mode) for mode in modes]
     try:
         servers = {mode: start.result() for mode, start in zip(modes, starts)}
-        results = {mode: completions(server.url) for mode, server in servers.items()}
+        results = {mode: completions(server) for mode, server in servers.items()}
     finally:
         codes = [stop_server(start.result().proc) for start in starts if start.exception() is None]
     assert codes == [0, 0]

@@ -1,6 +1,6 @@
 """Stop strings over every chunking of the text: the output is the text up to the stop string
-that ends first (through it with `include`), whatever the pieces, and nothing past it ever goes
-out."""
+that ends first (through it with `include`), whatever the pieces, that stop string is the one
+reported (`matched`: Anthropic's `stop_sequence`), and nothing past it ever goes out."""
 from __future__ import annotations
 
 from hypothesis import given
@@ -12,16 +12,18 @@ TEXT = st.text("abc\n", max_size=40)
 STOPS = st.lists(st.text("abc\n", min_size=1, max_size=4), max_size=3)
 
 
-def expected(text: str, stops: list[str], include: bool) -> tuple[str, bool]:
-    """The stop string that ends first (of two ending together, the longer), found alone."""
+def expected(text: str, stops: list[str], include: bool) -> tuple[str, str | None]:
+    """The text and the stop string that ends first (of two ending together, the longer), found
+    alone."""
     ends = [(text.find(s) + len(s), -len(s), s) for s in stops if s in text]
     if not ends:
-        return text, False
+        return text, None
     end, _, stop = min(ends)
-    return text[:end if include else end - len(stop)], True
+    return text[:end if include else end - len(stop)], stop
 
 
-def run(pieces: list[str], stops: list[str], include: bool) -> tuple[str, bool]:
+def run(pieces: list[str], stops: list[str], include: bool) -> tuple[str, str | None]:
+    """The text that went out and the stop string that ended it (`matched`, set with `stopped`)."""
     cut, out = StopStrings(stops, include), ""
     for piece in pieces:
         out += cut.push(piece)
@@ -29,7 +31,8 @@ def run(pieces: list[str], stops: list[str], include: bool) -> tuple[str, bool]:
             break
     if not cut.stopped:
         out += cut.release()
-    return out, cut.stopped
+    assert cut.stopped == (cut.matched is not None)
+    return out, cut.matched
 
 
 @given(text=TEXT, stops=STOPS, include=st.booleans(), cuts=st.lists(st.integers(0, 40)))
@@ -51,6 +54,6 @@ def test_nothing_past_the_cut_goes_out_even_in_part(text, stops, include) -> Non
 
 def test_the_stop_string_that_ends_first_cuts_in_one_piece_as_in_many() -> None:
     for pieces in (["xabcd"], list("xabcd")):
-        assert run(pieces, ["abcd", "bc"], include=False) == ("xa", True)
-        assert run(pieces, ["abcd", "bc"], include=True) == ("xabc", True)
-        assert run(pieces, ["c", "bc"], include=False) == ("xa", True)  # the longer of two ending together
+        assert run(pieces, ["abcd", "bc"], include=False) == ("xa", "bc")
+        assert run(pieces, ["abcd", "bc"], include=True) == ("xabc", "bc")
+        assert run(pieces, ["c", "bc"], include=False) == ("xa", "bc")  # the longer of two ending together

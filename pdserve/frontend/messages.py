@@ -1,0 +1,278 @@
+"""Anthropic's Messages API (``POST /v1/messages``, ``POST /v1/messages/count_tokens``) on top of
+the chat path, for agents built on Anthropic's clients (Claude Code and the `anthropic` SDK).
+
+A Messages request becomes a chat request (`chat_request`): `system` a system message; a user
+message's `tool_result` blocks tool messages (in order, before the rest of its text); an
+assistant message's `tool_use` blocks its tool calls (`input` as JSON arguments); `tools`
+(`input_schema`) function tools; `tool_choice` `auto`/`any`/`tool`/`none` the chat choices
+(`disable_parallel_tool_use` turns parallel calls off); `stop_sequences` stop strings;
+`output_config.format` (a JSON schema) the structured output. Earlier
+`thinking` blocks are left out, as chat templates leave past reasoning out. From there it takes
+the chat path unchanged: the model's template, the token-ID parser, the workers.
+
+`MessagesRenderer` turns the choice's parser events into content blocks in the order the model
+wrote them: `thinking`, `text` and `tool_use` (its `input` the parsed arguments). Streaming sends
+Anthropic's events (``event: <type>`` and ``data: <json>``): `message_start`, per block
+`content_block_start`, its deltas (`thinking_delta`, `text_delta`, `input_json_delta`) and
+`content_block_stop`, then `message_delta` (stop reason, output tokens) and `message_stop`; a
+failure mid-stream ends it with an `error` event. Errors are Anthropic's error objects
+(``errors.anthropic_body``).
+
+`usage` counts as Anthropic's does: `input_tokens` are the prompt tokens not read from the
+prefix cache, `cache_read_input_tokens` those that were.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import ValidationError
+
+from pdserve.frontend.choices import ChoiceEvent
+from pdserve.frontend.errors import APIError, anthropic_body, invalid, validation_message
+from pdserve.frontend.protocol import ChatCompletionRequest, MessagesRequest
+from pdserve.frontend.render import Renderer
+from pdserve.parsers import ContentDelta, InvalidCall, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
+from pdserve.tokenizer import Tokenizer
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+
+
+# ---- request: Messages → chat --------------------------------------------------------------------
+
+
+def chat_request(req: MessagesRequest, stream: bool | None = None) -> ChatCompletionRequest:
+    """The chat request that answers `req`; 400 (naming the Messages field) when a block, a
+    tool or the tool choice cannot be expressed."""
+    messages: list[dict[str, Any]] = []
+    if req.system:
+        messages.append({"role": "system", "content": _text(req.system, "system")})
+    for i, message in enumerate(req.messages):
+        _add_message(messages, message, f"messages[{i}]")
+    choice = req.tool_choice or {}
+    body: dict[str, Any] = {
+        "model": req.model, "messages": messages, "max_tokens": req.max_tokens,
+        "stream": req.stream if stream is None else stream,
+        "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, "stop": req.stop_sequences,
+        "tools": [_chat_tool(t, f"tools[{i}]") for i, t in enumerate(req.tools)] if req.tools else None,
+        "tool_choice": _chat_tool_choice(choice) if req.tools or choice else None,
+        "parallel_tool_calls": False if choice.get("disable_parallel_tool_use") else None,
+        "response_format": _response_format(req.output_config),
+    }
+    try:
+        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as e:
+        message, param = validation_message(e.errors(include_url=False))
+        if param == "stop":  # the chat field the client sent as stop_sequences
+            message, param = "stop_sequences" + message.removeprefix("stop"), "stop_sequences"
+        raise invalid(message, param) from None
+
+
+def _add_message(messages: list[dict[str, Any]], message: dict[str, Any], where: str) -> None:
+    role, content = message.get("role"), message.get("content")
+    if role not in ("user", "assistant"):
+        raise invalid(f"{where}.role must be 'user' or 'assistant', got {role!r}", f"{where}.role")
+    if isinstance(content, str):
+        messages.append({"role": role, "content": content})
+        return
+    if not isinstance(content, list):
+        raise invalid(f"{where}.content must be a string or a list of content blocks", f"{where}.content")
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        at = f"{where}.content[{j}]"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_result" and role == "user":
+            result = block.get("content", "")
+            messages.append({"role": "tool", "tool_call_id": _field(block, "tool_use_id", str, at),
+                             "content": result if isinstance(result, str) else _text(result, f"{at}.content")})
+        elif kind == "tool_use" and role == "assistant":
+            calls.append({"id": _field(block, "id", str, at), "type": "function", "function": {
+                "name": _field(block, "name", str, at), "arguments": json.dumps(_field(block, "input", dict, at))}})
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue  # earlier reasoning: chat templates leave it out of later turns
+        else:
+            supported = "text and tool_result" if role == "user" else "text, tool_use and thinking"
+            raise invalid(f"{at}: {role} content blocks of type {kind!r} are not supported ({supported} are)",
+                          f"{at}.type")
+    if role == "assistant" and (texts or calls):
+        turn: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+        messages.append(turn | {"tool_calls": calls} if calls else turn)
+    elif texts:
+        messages.append({"role": "user", "content": "".join(texts)})
+
+
+def _text(blocks: Any, where: str) -> str:
+    """A string, or text blocks joined."""
+    if isinstance(blocks, str):
+        return blocks
+    if not isinstance(blocks, list) or not all(isinstance(b, dict) and b.get("type") == "text"
+                                               and isinstance(b.get("text"), str) for b in blocks):
+        raise invalid(f"{where} must be a string or a list of text blocks", where)
+    return "".join(b["text"] for b in blocks)
+
+
+def _field(block: dict[str, Any], key: str, kind: type, where: str) -> Any:
+    value = block.get(key)
+    if not isinstance(value, kind):
+        raise invalid(f"{where}.{key} must be {'a string' if kind is str else 'an object'}", f"{where}.{key}")
+    return value
+
+
+def _chat_tool(tool: Any, where: str) -> dict[str, Any]:
+    """{"name", "description"?, "input_schema"} (a client tool) → the chat function tool."""
+    if not isinstance(tool, dict) or tool.get("type") not in (None, "custom"):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        raise invalid(f"{where}: only client tools (name, description, input_schema) are supported, "
+                      f"got type {kind!r}", where)
+    function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
+    function |= {k: tool[k] for k in ("description", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def _response_format(config: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`output_config.format` (a JSON schema the answer follows) → chat's `response_format`."""
+    fmt = (config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise invalid('output_config.format must be {"type": "json_schema", "schema": {…}}', "output_config.format")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"], "strict": True}}
+
+
+def _chat_tool_choice(choice: dict[str, Any]) -> str | dict[str, Any]:
+    kind = choice.get("type", "auto")
+    if kind in ("auto", "none"):
+        return kind
+    if kind == "any":
+        return "required"
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise invalid('tool_choice must be {"type": "auto" | "any" | "none"} or {"type": "tool", "name": …}',
+                  "tool_choice")
+
+
+# ---- response: parser events → content blocks and stream events ----------------------------------
+
+
+class MessagesRenderer(Renderer):
+    """One choice's events → the Message object and its stream events (module docstring)."""
+
+    object_name = "message"
+    done_marker = False
+
+    def __init__(self, message_id: str, model: str, prompt_tokens: int, tokenizer: Tokenizer) -> None:
+        super().__init__(message_id, model, 1, prompt_tokens, tokenizer)
+        self.blocks: list[dict[str, Any]] = []   # content blocks, in the order they opened
+        self.arguments: dict[int, str] = {}      # a tool_use block's arguments as the model wrote them
+        self.open: int | None = None             # the block taking deltas
+        self.calls: dict[int, int] = {}          # the parser's call index → its block
+        self.dropped: set[int] = set()           # blocks of calls that are not valid calls
+        self.stop_sequence: str | None = None
+
+    # ---- the Renderer interface --------------------------------------------------------------
+
+    def sse(self, payload: dict[str, Any]) -> str:
+        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+        return f"event: {payload['type']}\ndata: {data}\n\n"
+
+    def opening(self) -> list[dict[str, Any]]:
+        message = {**self.response(), "content": [], "stop_reason": None, "stop_sequence": None}
+        message["usage"] = {**message["usage"], "output_tokens": 0}
+        return [{"type": "message_start", "message": message}]
+
+    def absorb(self, ev: ChoiceEvent) -> list[dict[str, Any]]:
+        self._update(ev, "")
+        if ev.stop_sequence is not None:
+            self.stop_sequence = ev.stop_sequence
+        out: list[dict[str, Any]] = []
+        for part in ev.batch.delta.parts if ev.batch is not None else []:
+            out += self._part(part)
+        if ev.finish_reason is not None:
+            out += self._close()
+        return out
+
+    def closing(self) -> list[dict[str, Any]]:
+        message = self.response()
+        return [{"type": "message_delta", "delta": {"stop_reason": message["stop_reason"],
+                                                    "stop_sequence": message["stop_sequence"]},
+                 "usage": {"output_tokens": message["usage"]["output_tokens"]}},
+                {"type": "message_stop"}]
+
+    def failure(self, error: APIError) -> str:
+        return self.sse(anthropic_body(error))
+
+    def response(self) -> dict[str, Any]:
+        state = self.choices[0]
+        reason = STOP_REASONS.get(state.finish_reason) if state.finish_reason else None
+        if reason == "end_turn" and self.stop_sequence is not None:
+            reason = "stop_sequence"
+        out: dict[str, Any] = {
+            "id": self.id, "type": "message", "role": "assistant", "model": self.model,
+            "content": [b for i, b in enumerate(self.blocks) if i not in self.dropped],
+            "stop_reason": reason, "stop_sequence": self.stop_sequence if reason == "stop_sequence" else None,
+            "usage": {"input_tokens": self.prompt_tokens - state.cached_tokens, "output_tokens": state.num_tokens,
+                      "cache_read_input_tokens": state.cached_tokens, "cache_creation_input_tokens": 0},
+        }
+        if state.invalid:
+            out["invalid_tool_calls"] = state.invalid
+        return out
+
+    # ---- blocks -----------------------------------------------------------------------------
+
+    def _part(self, part: object) -> list[dict[str, Any]]:
+        state = self.choices[0]
+        if isinstance(part, ContentDelta):
+            state.pieces.append(part.text)
+            return self._text("text", part.text)
+        if isinstance(part, ReasoningDelta):
+            state.reasoning.append(part.text)
+            return self._text("thinking", part.text)
+        if isinstance(part, ToolCallStart):
+            out = self._close()
+            self.calls[part.index] = self.open = len(self.blocks)
+            self.arguments[self.open] = ""
+            self.blocks.append({"type": "tool_use", "id": part.id, "name": part.name, "input": {}})
+            return out + [{"type": "content_block_start", "index": self.open, "content_block": dict(self.blocks[-1])}]
+        if isinstance(part, ToolCallArgs):
+            index = self.calls[part.index]
+            self.arguments[index] += part.fragment
+            return [{"type": "content_block_delta", "index": index,
+                     "delta": {"type": "input_json_delta", "partial_json": part.fragment}}]
+        if isinstance(part, ToolCallEnd):
+            index = self.calls[part.index]
+            try:
+                self.blocks[index]["input"] = json.loads(self.arguments[index] or "{}")
+            except ValueError:
+                self.dropped.add(index)
+            if not part.complete:
+                self.dropped.add(index)  # cut inside the call: not a call to run
+            return self._close() if self.open == index else []
+        if isinstance(part, InvalidCall):
+            state.invalid.append({"index": part.index, "name": part.name, "text": part.text, "reason": part.reason})
+            if part.index is not None:
+                self.dropped.add(self.calls[part.index])
+                return self._close() if self.open == self.calls[part.index] else []
+        return []
+
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        """A text delta of a text or thinking block, opening such a block when another is open."""
+        out: list[dict[str, Any]] = []
+        if self.open is None or self.blocks[self.open]["type"] != kind:
+            out += self._close()
+            self.open = len(self.blocks)
+            self.blocks.append({"type": "text", "text": ""} if kind == "text"
+                               else {"type": "thinking", "thinking": "", "signature": ""})
+            out.append({"type": "content_block_start", "index": self.open, "content_block": dict(self.blocks[-1])})
+        key = "text" if kind == "text" else "thinking"
+        self.blocks[self.open][key] += text
+        return out + [{"type": "content_block_delta", "index": self.open,
+                       "delta": {"type": f"{key}_delta", key: text}}]
+
+    def _close(self) -> list[dict[str, Any]]:
+        if self.open is None:
+            return []
+        index, self.open = self.open, None
+        return [{"type": "content_block_stop", "index": index}]
