@@ -138,12 +138,19 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally,
     _judge(tally, kind, r.status_code, r.text, check=CHECKS.get(kind))
 
 
-async def _responses(http: httpx.AsyncClient, tally: Tally, body: dict) -> None:
-    async with http.stream("POST", RESPONSES, json=body) as r:
+async def _events(http: httpx.AsyncClient, tally: Tally, kind: str, path: str, body: dict) -> list[dict] | None:
+    """A stream's events (their `data`), or None when it was refused (judged here)."""
+    async with http.stream("POST", path, json=body) as r:
         if r.status_code != 200:
             await r.aread()
-            return _judge(tally, "responses", r.status_code, r.text)
-        events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")]
+            _judge(tally, kind, r.status_code, r.text)
+            return None
+        return [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")]
+
+
+async def _responses(http: httpx.AsyncClient, tally: Tally, body: dict) -> None:
+    if (events := await _events(http, tally, "responses", RESPONSES, body)) is None:
+        return
     numbers = [e.get("sequence_number") for e in events]
     last = events[-1] if events else {}
     if numbers != list(range(len(events))) or last.get("type") not in ("response.completed", "response.incomplete"):
@@ -153,11 +160,8 @@ async def _responses(http: httpx.AsyncClient, tally: Tally, body: dict) -> None:
 
 
 async def _messages(http: httpx.AsyncClient, tally: Tally, body: dict) -> None:
-    async with http.stream("POST", MESSAGES, json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return _judge(tally, "messages", r.status_code, r.text)
-        events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")]
+    if (events := await _events(http, tally, "messages", MESSAGES, body)) is None:
+        return
     types = [e.get("type") for e in events]
     ends = types[-2:] == ["message_delta", "message_stop"] and events[-2]["delta"].get("stop_reason")
     if not types or types[0] != "message_start" or not ends:

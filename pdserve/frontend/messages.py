@@ -31,8 +31,8 @@ from pydantic import ValidationError
 from pdserve.frontend.choices import ChoiceEvent
 from pdserve.frontend.errors import APIError, anthropic_body, invalid, validation_message
 from pdserve.frontend.protocol import ChatCompletionRequest, MessagesRequest
-from pdserve.frontend.render import Renderer
-from pdserve.parsers import ContentDelta, InvalidCall, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
+from pdserve.frontend.render import ItemRenderer
+from pdserve.parsers import ToolCallStart
 from pdserve.tokenizer import Tokenizer
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -157,7 +157,7 @@ def _chat_tool_choice(choice: dict[str, Any]) -> str | dict[str, Any]:
 # ---- response: parser events → content blocks and stream events ----------------------------------
 
 
-class MessagesRenderer(Renderer):
+class MessagesRenderer(ItemRenderer):
     """One choice's events → the Message object and its stream events (module docstring)."""
 
     object_name = "message"
@@ -167,8 +167,6 @@ class MessagesRenderer(Renderer):
         super().__init__(message_id, model, 1, prompt_tokens, tokenizer)
         self.blocks: list[dict[str, Any]] = []   # content blocks, in the order they opened
         self.arguments: dict[int, str] = {}      # a tool_use block's arguments as the model wrote them
-        self.open: int | None = None             # the block taking deltas
-        self.calls: dict[int, int] = {}          # the parser's call index → its block
         self.dropped: set[int] = set()           # blocks of calls that are not valid calls
         self.stop_sequence: str | None = None
 
@@ -220,59 +218,38 @@ class MessagesRenderer(Renderer):
             out["invalid_tool_calls"] = state.invalid
         return out
 
-    # ---- blocks -----------------------------------------------------------------------------
+    # ---- blocks (ItemRenderer's hooks) --------------------------------------------------------
 
-    def _part(self, part: object) -> list[dict[str, Any]]:
-        state = self.choices[0]
-        if isinstance(part, ContentDelta):
-            state.pieces.append(part.text)
-            return self._text("text", part.text)
-        if isinstance(part, ReasoningDelta):
-            state.reasoning.append(part.text)
-            return self._text("thinking", part.text)
-        if isinstance(part, ToolCallStart):
-            out = self._close()
-            self.calls[part.index] = self.open = len(self.blocks)
-            self.arguments[self.open] = ""
-            self.blocks.append({"type": "tool_use", "id": part.id, "name": part.name, "input": {}})
-            return out + [{"type": "content_block_start", "index": self.open, "content_block": dict(self.blocks[-1])}]
-        if isinstance(part, ToolCallArgs):
-            index = self.calls[part.index]
-            self.arguments[index] += part.fragment
-            return [{"type": "content_block_delta", "index": index,
-                     "delta": {"type": "input_json_delta", "partial_json": part.fragment}}]
-        if isinstance(part, ToolCallEnd):
-            index = self.calls[part.index]
-            try:
-                self.blocks[index]["input"] = json.loads(self.arguments[index] or "{}")
-            except ValueError:
-                self.dropped.add(index)
-            if not part.complete:
-                self.dropped.add(index)  # cut inside the call: not a call to run
-            return self._close() if self.open == index else []
-        if isinstance(part, InvalidCall):
-            state.invalid.append({"index": part.index, "name": part.name, "text": part.text, "reason": part.reason})
-            if part.index is not None:
-                self.dropped.add(self.calls[part.index])
-                return self._close() if self.open == self.calls[part.index] else []
-        return []
+    def _opened(self, index: int, kind: str) -> list[dict[str, Any]]:
+        self.blocks.append({"type": "text", "text": ""} if kind == "text"
+                           else {"type": "thinking", "thinking": "", "signature": ""})
+        return [{"type": "content_block_start", "index": index, "content_block": dict(self.blocks[index])}]
 
-    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
-        """A text delta of a text or thinking block, opening such a block when another is open."""
-        out: list[dict[str, Any]] = []
-        if self.open is None or self.blocks[self.open]["type"] != kind:
-            out += self._close()
-            self.open = len(self.blocks)
-            self.blocks.append({"type": "text", "text": ""} if kind == "text"
-                               else {"type": "thinking", "thinking": "", "signature": ""})
-            out.append({"type": "content_block_start", "index": self.open, "content_block": dict(self.blocks[-1])})
-        key = "text" if kind == "text" else "thinking"
-        self.blocks[self.open][key] += text
-        return out + [{"type": "content_block_delta", "index": self.open,
-                       "delta": {"type": f"{key}_delta", key: text}}]
+    def _text(self, index: int, text: str) -> list[dict[str, Any]]:
+        key = self.blocks[index]["type"]  # "text" or "thinking": the block's field and its delta's name
+        self.blocks[index][key] += text
+        return [{"type": "content_block_delta", "index": index, "delta": {"type": f"{key}_delta", key: text}}]
 
-    def _close(self) -> list[dict[str, Any]]:
-        if self.open is None:
-            return []
-        index, self.open = self.open, None
+    def _call_opened(self, index: int, call: ToolCallStart) -> list[dict[str, Any]]:
+        self.arguments[index] = ""
+        self.blocks.append({"type": "tool_use", "id": call.id, "name": call.name, "input": {}})
+        return [{"type": "content_block_start", "index": index, "content_block": dict(self.blocks[index])}]
+
+    def _call_args(self, index: int, fragment: str) -> list[dict[str, Any]]:
+        self.arguments[index] += fragment
+        return [{"type": "content_block_delta", "index": index,
+                 "delta": {"type": "input_json_delta", "partial_json": fragment}}]
+
+    def _call_ended(self, index: int, complete: bool) -> None:
+        try:
+            self.blocks[index]["input"] = json.loads(self.arguments[index] or "{}")
+        except ValueError:
+            self.dropped.add(index)
+        if not complete:
+            self.dropped.add(index)  # cut inside the call: not a call to run
+
+    def _call_invalid(self, index: int) -> None:
+        self.dropped.add(index)
+
+    def _closed(self, index: int, final: bool) -> list[dict[str, Any]]:
         return [{"type": "content_block_stop", "index": index}]

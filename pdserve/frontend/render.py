@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import time
+from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -289,6 +290,86 @@ def _deltas(state: ChoiceState, parts: list[Part]) -> list[dict[str, Any]]:
         run.append(text)
     flush()
     return out
+
+
+class ItemRenderer(Renderer, ABC):
+    """One choice's parser events as items opened in the order the model wrote them: a run of
+    text, a run of reasoning, one item per tool call (the Responses API's output items, the
+    Messages API's content blocks). This class keeps which item is open and which call is
+    which; a subclass makes its items and their stream events through the hooks below."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kinds: list[str] = []       # per item: "text", "reasoning" or "call"
+        self.open: int | None = None     # the item taking deltas
+        self.calls: dict[int, int] = {}  # the parser's call index → its item
+
+    def _part(self, part: Part) -> list[dict[str, Any]]:
+        state = self.choices[0]
+        if isinstance(part, (ContentDelta, ReasoningDelta)):
+            kind = "text" if isinstance(part, ContentDelta) else "reasoning"
+            (state.pieces if kind == "text" else state.reasoning).append(part.text)
+            out: list[dict[str, Any]] = []
+            if self.open is None or self.kinds[self.open] != kind:
+                out = self._close() + self._opened(self._new(kind), kind)
+            return out + self._text(self.open, part.text)
+        if isinstance(part, ToolCallStart):
+            out = self._close()
+            self.calls[part.index] = self._new("call")
+            return out + self._call_opened(self.open, part)
+        if isinstance(part, ToolCallArgs):
+            return self._call_args(self.calls[part.index], part.fragment)
+        if isinstance(part, ToolCallEnd):
+            index = self.calls[part.index]
+            self._call_ended(index, part.complete)
+            return self._close() if self.open == index else []
+        if isinstance(part, InvalidCall):
+            state.invalid.append({"index": part.index, "name": part.name, "text": part.text, "reason": part.reason})
+            if part.index is not None:  # streamed already: it must not read as a call to run
+                index = self.calls[part.index]
+                self._call_invalid(index)
+                return self._close() if self.open == index else []
+        return []
+
+    def _new(self, kind: str) -> int:
+        self.kinds.append(kind)
+        self.open = len(self.kinds) - 1
+        return self.open
+
+    def _close(self, final: bool = False) -> list[dict[str, Any]]:
+        """The open item's end; `final`: the output ended (else another item follows it)."""
+        if self.open is None:
+            return []
+        index, self.open = self.open, None
+        return self._closed(index, final)
+
+    # ---- the hooks: each returns the stream events it makes ------------------------------------
+
+    @abstractmethod
+    def _opened(self, index: int, kind: str) -> list[dict[str, Any]]:
+        """Item `index` starts: a run of "text" or "reasoning"."""
+
+    @abstractmethod
+    def _text(self, index: int, text: str) -> list[dict[str, Any]]:
+        ...
+
+    @abstractmethod
+    def _call_opened(self, index: int, call: ToolCallStart) -> list[dict[str, Any]]:
+        ...
+
+    @abstractmethod
+    def _call_args(self, index: int, fragment: str) -> list[dict[str, Any]]:
+        ...
+
+    def _call_ended(self, index: int, complete: bool) -> None:
+        """The call's arguments are all there (`complete`: the output did not end inside them)."""
+
+    def _call_invalid(self, index: int) -> None:
+        """The call turned out not to be a valid call."""
+
+    @abstractmethod
+    def _closed(self, index: int, final: bool) -> list[dict[str, Any]]:
+        ...
 
 
 class CompletionRenderer(Renderer):

@@ -31,8 +31,8 @@ from pydantic import ValidationError
 from pdserve.frontend.choices import ChoiceEvent
 from pdserve.frontend.errors import APIError, invalid, validation_message
 from pdserve.frontend.protocol import ChatCompletionRequest, ResponsesRequest
-from pdserve.frontend.render import Renderer
-from pdserve.parsers import ContentDelta, InvalidCall, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
+from pdserve.frontend.render import ItemRenderer
+from pdserve.parsers import ToolCallStart
 from pdserve.tokenizer import Tokenizer
 
 ROLES = ("user", "assistant", "system", "developer")
@@ -150,7 +150,7 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 # ---- response: parser events → output items and stream events -----------------------------------
 
 
-class ResponsesRenderer(Renderer):
+class ResponsesRenderer(ItemRenderer):
     """One choice's events → the Response object and its stream events (module docstring)."""
 
     object_name = "response"
@@ -162,8 +162,6 @@ class ResponsesRenderer(Renderer):
         self.created_at = time.time()
         self.req = req
         self.items: list[dict[str, Any]] = []  # output items, in the order they opened
-        self.open: int | None = None           # the item taking deltas
-        self.calls: dict[int, int] = {}        # the parser's call index → its item
         self.sequence = 0
         self.error: APIError | None = None
 
@@ -227,74 +225,50 @@ class ResponsesRenderer(Renderer):
             return "in_progress"
         return "incomplete" if reason == "length" else "completed"
 
-    # ---- items ------------------------------------------------------------------------------
+    # ---- items (ItemRenderer's hooks) ---------------------------------------------------------
 
-    def _part(self, part: object) -> list[dict[str, Any]]:
-        state = self.choices[0]
-        if isinstance(part, ContentDelta):
-            state.pieces.append(part.text)
-            return self._text("message", part.text)
-        if isinstance(part, ReasoningDelta):
-            state.reasoning.append(part.text)
-            return self._text("reasoning", part.text)
-        if isinstance(part, ToolCallStart):
-            out = self._close()
-            self.calls[part.index] = self.open = len(self.items)
-            self.items.append({"type": "function_call", "id": _item_id("fc"), "call_id": part.id,
-                               "name": part.name, "arguments": "", "status": "in_progress"})
-            return out + [self._added()]
-        if isinstance(part, ToolCallArgs):
-            item = self.items[self.calls[part.index]]
-            item["arguments"] += part.fragment
-            return [self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                output_index=self.calls[part.index], delta=part.fragment)]
-        if isinstance(part, ToolCallEnd):
-            if not part.complete:
-                self.items[self.calls[part.index]]["status"] = "incomplete"
-            return self._close() if self.open == self.calls[part.index] else []
-        if isinstance(part, InvalidCall):
-            state.invalid.append({"index": part.index, "name": part.name, "text": part.text, "reason": part.reason})
-            if part.index is not None:  # streamed already: it must not read as a call to run
-                self.items[self.calls[part.index]]["status"] = "incomplete"
-                return self._close() if self.open == self.calls[part.index] else []
-        return []
+    def _opened(self, index: int, kind: str) -> list[dict[str, Any]]:
+        if kind == "text":
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
+            self.items.append({"type": "message", "id": _item_id("msg"), "status": "in_progress",
+                               "role": "assistant", "content": [part]})
+        else:
+            part = {"type": "reasoning_text", "text": ""}
+            self.items.append({"type": "reasoning", "id": _item_id("rs"), "summary": [], "content": [part],
+                               "status": "in_progress"})
+        return [self._added(index), self._event("response.content_part.added", item_id=self.items[index]["id"],
+                                                output_index=index, content_index=0, part=dict(part))]
 
-    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
-        """A text delta of a message or of reasoning, opening such an item when another is open."""
-        out: list[dict[str, Any]] = []
-        if self.open is None or self.items[self.open]["type"] != kind:
-            out += self._close()
-            self.open = len(self.items)
-            part_type = "output_text" if kind == "message" else "reasoning_text"
-            part: dict[str, Any] = {"type": part_type, "text": ""}
-            if kind == "message":
-                part["annotations"] = []
-                self.items.append({"type": "message", "id": _item_id("msg"), "status": "in_progress",
-                                   "role": "assistant", "content": [part]})
-            else:
-                self.items.append({"type": "reasoning", "id": _item_id("rs"), "summary": [], "content": [part],
-                                   "status": "in_progress"})
-            out += [self._added(), self._event("response.content_part.added", item_id=self.items[self.open]["id"],
-                                               output_index=self.open, content_index=0, part=dict(part))]
-        item = self.items[self.open]
+    def _text(self, index: int, text: str) -> list[dict[str, Any]]:
+        item = self.items[index]
         item["content"][0]["text"] += text
-        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-        extra = {"logprobs": []} if kind == "message" else {}
-        return out + [self._event(name, item_id=item["id"], output_index=self.open, content_index=0,
-                                  delta=text, **extra)]
+        if item["type"] == "message":
+            return [self._event("response.output_text.delta", item_id=item["id"], output_index=index,
+                                content_index=0, delta=text, logprobs=[])]
+        return [self._event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
+                            content_index=0, delta=text)]
 
-    def _added(self) -> dict[str, Any]:
-        item = dict(self.items[self.open])
-        if "content" in item:
-            item["content"] = []  # its part comes in content_part.added
-        return self._event("response.output_item.added", output_index=self.open, item=item)
+    def _call_opened(self, index: int, call: ToolCallStart) -> list[dict[str, Any]]:
+        self.items.append({"type": "function_call", "id": _item_id("fc"), "call_id": call.id, "name": call.name,
+                           "arguments": "", "status": "in_progress"})
+        return [self._added(index)]
 
-    def _close(self, final: bool = False) -> list[dict[str, Any]]:
-        """The open item's done events. Another item follows it (complete), or the output ended
+    def _call_args(self, index: int, fragment: str) -> list[dict[str, Any]]:
+        item = self.items[index]
+        item["arguments"] += fragment
+        return [self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                            delta=fragment)]
+
+    def _call_ended(self, index: int, complete: bool) -> None:
+        if not complete:
+            self.items[index]["status"] = "incomplete"
+
+    def _call_invalid(self, index: int) -> None:
+        self.items[index]["status"] = "incomplete"
+
+    def _closed(self, index: int, final: bool) -> list[dict[str, Any]]:
+        """The item's done events. Another item follows it (completed), or the output ended
         (`final`): cut by the token limit or a failure (incomplete) or not."""
-        if self.open is None:
-            return []
-        index, self.open = self.open, None
         item = self.items[index]
         if item["status"] == "in_progress":
             cut = final and self.status in ("incomplete", "failed")
@@ -312,6 +286,12 @@ class ResponsesRenderer(Renderer):
                     self._event("response.content_part.done", item_id=item["id"], output_index=index,
                                 content_index=0, part=dict(part))]
         return out + [self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
+
+    def _added(self, index: int) -> dict[str, Any]:
+        item = dict(self.items[index])
+        if "content" in item:
+            item["content"] = []  # its part comes in content_part.added
+        return self._event("response.output_item.added", output_index=index, item=item)
 
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.sequence += 1
