@@ -28,7 +28,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from pdserve.frontend.choices import ChoiceEvent
 from pdserve.frontend.errors import APIError, anthropic_body, invalid, validation_message
 from pdserve.frontend.protocol import ChatCompletionRequest, MessagesRequest
 from pdserve.frontend.render import ItemRenderer
@@ -161,36 +160,19 @@ class MessagesRenderer(ItemRenderer):
     """One choice's events → the Message object and its stream events (module docstring)."""
 
     object_name = "message"
-    done_marker = False
 
     def __init__(self, message_id: str, model: str, prompt_tokens: int, tokenizer: Tokenizer) -> None:
         super().__init__(message_id, model, 1, prompt_tokens, tokenizer)
         self.blocks: list[dict[str, Any]] = []   # content blocks, in the order they opened
         self.arguments: dict[int, str] = {}      # a tool_use block's arguments as the model wrote them
         self.dropped: set[int] = set()           # blocks of calls that are not valid calls
-        self.stop_sequence: str | None = None
 
     # ---- the Renderer interface --------------------------------------------------------------
-
-    def sse(self, payload: dict[str, Any]) -> str:
-        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-        return f"event: {payload['type']}\ndata: {data}\n\n"
 
     def opening(self) -> list[dict[str, Any]]:
         message = {**self.response(), "content": [], "stop_reason": None, "stop_sequence": None}
         message["usage"] = {**message["usage"], "output_tokens": 0}
         return [{"type": "message_start", "message": message}]
-
-    def absorb(self, ev: ChoiceEvent) -> list[dict[str, Any]]:
-        self._update(ev, "")
-        if ev.stop_sequence is not None:
-            self.stop_sequence = ev.stop_sequence
-        out: list[dict[str, Any]] = []
-        for part in ev.batch.delta.parts if ev.batch is not None else []:
-            out += self._part(part)
-        if ev.finish_reason is not None:
-            out += self._close()
-        return out
 
     def closing(self) -> list[dict[str, Any]]:
         message = self.response()
@@ -205,12 +187,12 @@ class MessagesRenderer(ItemRenderer):
     def response(self) -> dict[str, Any]:
         state = self.choices[0]
         reason = STOP_REASONS.get(state.finish_reason) if state.finish_reason else None
-        if reason == "end_turn" and self.stop_sequence is not None:
+        if reason == "end_turn" and state.stop_sequence is not None:
             reason = "stop_sequence"
         out: dict[str, Any] = {
             "id": self.id, "type": "message", "role": "assistant", "model": self.model,
             "content": [b for i, b in enumerate(self.blocks) if i not in self.dropped],
-            "stop_reason": reason, "stop_sequence": self.stop_sequence if reason == "stop_sequence" else None,
+            "stop_reason": reason, "stop_sequence": state.stop_sequence if reason == "stop_sequence" else None,
             "usage": {"input_tokens": self.prompt_tokens - state.cached_tokens, "output_tokens": state.num_tokens,
                       "cache_read_input_tokens": state.cached_tokens, "cache_creation_input_tokens": 0},
         }

@@ -82,6 +82,7 @@ class ChoiceState:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs: the worker's
     echoed: bool = False  # the echo went out (streaming with logprobs: with the first event)
     cached_tokens: int = 0  # prompt tokens the worker took from its prefix cache
+    stop_sequence: str | None = None  # the stop string that ended the text, if one did
 
     @property
     def text(self) -> str:
@@ -172,6 +173,8 @@ class Renderer:
             state.finish_reason = ev.finish_reason
         if ev.cached_tokens is not None:
             state.cached_tokens = ev.cached_tokens
+        if ev.stop_sequence is not None:
+            state.stop_sequence = ev.stop_sequence
         return state
 
 
@@ -296,13 +299,29 @@ class ItemRenderer(Renderer, ABC):
     """One choice's parser events as items opened in the order the model wrote them: a run of
     text, a run of reasoning, one item per tool call (the Responses API's output items, the
     Messages API's content blocks). This class keeps which item is open and which call is
-    which; a subclass makes its items and their stream events through the hooks below."""
+    which; a subclass makes its items and their stream events through the hooks below. Both
+    APIs stream typed events (``event: <type>`` and ``data: <json>``) and no ``[DONE]``."""
+
+    done_marker = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.kinds: list[str] = []       # per item: "text", "reasoning" or "call"
         self.open: int | None = None     # the item taking deltas
         self.calls: dict[int, int] = {}  # the parser's call index → its item
+
+    def sse(self, payload: dict[str, Any]) -> str:
+        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+        return f"event: {payload['type']}\ndata: {data}\n\n"
+
+    def absorb(self, ev: ChoiceEvent) -> list[dict[str, Any]]:
+        self._update(ev, "")
+        out: list[dict[str, Any]] = []
+        for part in ev.batch.delta.parts if ev.batch is not None else []:
+            out += self._part(part)
+        if ev.finish_reason is not None:
+            out += self._close(final=True)
+        return out
 
     def _part(self, part: Part) -> list[dict[str, Any]]:
         state = self.choices[0]

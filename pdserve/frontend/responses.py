@@ -21,14 +21,12 @@ the response's `invalid_tool_calls`, as chat completions list them.
 from __future__ import annotations
 
 import copy
-import json
 import time
 import uuid
 from typing import Any
 
 from pydantic import ValidationError
 
-from pdserve.frontend.choices import ChoiceEvent
 from pdserve.frontend.errors import APIError, invalid, validation_message
 from pdserve.frontend.protocol import ChatCompletionRequest, ResponsesRequest
 from pdserve.frontend.render import ItemRenderer
@@ -154,7 +152,6 @@ class ResponsesRenderer(ItemRenderer):
     """One choice's events → the Response object and its stream events (module docstring)."""
 
     object_name = "response"
-    done_marker = False
 
     def __init__(self, response_id: str, model: str, prompt_tokens: int, tokenizer: Tokenizer,
                  req: ResponsesRequest) -> None:
@@ -167,22 +164,9 @@ class ResponsesRenderer(ItemRenderer):
 
     # ---- the Renderer interface --------------------------------------------------------------
 
-    def sse(self, payload: dict[str, Any]) -> str:
-        data = json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-        return f"event: {payload['type']}\ndata: {data}\n\n"
-
     def opening(self) -> list[dict[str, Any]]:
         return [self._event("response.created", response=self.response()),
                 self._event("response.in_progress", response=self.response())]
-
-    def absorb(self, ev: ChoiceEvent) -> list[dict[str, Any]]:
-        self._update(ev, "")
-        out: list[dict[str, Any]] = []
-        for part in ev.batch.delta.parts if ev.batch is not None else []:
-            out += self._part(part)
-        if ev.finish_reason is not None:
-            out += self._close(final=True)
-        return out
 
     def closing(self) -> list[dict[str, Any]]:
         name = "response.incomplete" if self.status == "incomplete" else "response.completed"
