@@ -3,8 +3,9 @@
 The workers (one prefill + one decode, or one colocated worker) run as ``python -m pdserve.cli
 prefill|decode|worker`` on free loopback ports, each in its own process group, their output
 relayed to our stderr with a name prefix (as they are with --log-json: JSON lines name their
-component). Once every worker's /ready answers, the router serves here (uvicorn) and the URL is
-printed to stdout. Ctrl-C or SIGTERM drains the router (new requests get 503, those in flight
+component). The router's port is bound before the first worker starts and held (as each worker
+holds its own), so no worker or TP rendezvous picks it as a free port meanwhile. Once every
+worker's /ready answers, the router serves there (uvicorn) and the URL is printed to stdout. Ctrl-C or SIGTERM drains the router (new requests get 503, those in flight
 get --drain-timeout seconds, the rest are stopped with an error and their rooms aborted), logs
 each worker's load (its KV pool is full again: nothing leaked), then stops the workers: SIGTERM
 to each process group (they drain too, with nothing left to drain), a grace period, SIGKILL for
@@ -32,6 +33,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -50,7 +52,7 @@ from pdserve.frontend.config import RouterConfig
 from pdserve.logs import setup_logging
 from pdserve.model_name import served_name
 from pdserve.ports import free_port
-from pdserve.preflight import ConfigError, Settings, check, parse_size
+from pdserve.preflight import ConfigError, Settings, bind_port, check, parse_size
 from pdserve.supervisor import History, RestartPolicy, Supervision, decide, describe_exit, last_error
 
 if TYPE_CHECKING:
@@ -427,7 +429,7 @@ def _signal_group(child: Child, sig: signal.Signals) -> None:
         pass
 
 
-async def _serve_router(app: FastAPI, host: str, port: int, slots: list[Slot], mode: str,
+async def _serve_router(app: FastAPI, sock: socket.socket, host: str, port: int, slots: list[Slot], mode: str,
                         supervision: Supervision) -> Verdict | None:
     from pdserve.frontend.server import RouterServer
 
@@ -439,7 +441,7 @@ async def _serve_router(app: FastAPI, host: str, port: int, slots: list[Slot], m
         # every worker here comes back when it dies (or serve ends): a request that finds its
         # role missing waits in the admission queue, even while the dead process is still exiting
         pool.orchestrated = {w.role for w in pool.workers}
-    task = asyncio.create_task(server.serve())
+    task = asyncio.create_task(server.serve(sockets=[sock]))
     # A worker's exit wakes the supervisor at once: the router takes it out of rotation before
     # the next request is sent to its closed port (a probe would see it up to an interval later).
     loop, exited = asyncio.get_running_loop(), asyncio.Event()
@@ -504,6 +506,10 @@ def serve(args: argparse.Namespace) -> int:
     try:
         model_dir = resolve_model_dir(args.model)
         preflight(args, model_dir)
+        # The router's port, held from now on: the workers and their TP rendezvous pick free ports
+        # from the same range while they start, and one of them could take it before the router
+        # listens (it happened in a test run: the prefill worker got the router's port).
+        router_socket = bind_port(args.host, args.port)
         tokenizer = Tokenizer(model_dir)  # loaded once (~1 s): for this check and for the router
         check_output_profile(model_dir, args.tool_call_parser, tokenizer)  # an unreadable output: before any worker
         plan_threads(args)
@@ -521,7 +527,8 @@ def serve(args: argparse.Namespace) -> int:
         app = create_app(config, tokenizer)  # while the workers load: the router needs them only to serve
         wait_ready([slot.child for slot in slots], args.startup_timeout)
         served = True
-        verdict = asyncio.run(_serve_router(app, args.host, args.port, slots, args.mode, supervision(args)))
+        verdict = asyncio.run(_serve_router(app, router_socket, args.host, args.port, slots, args.mode,
+                                            supervision(args)))
         return 0 if verdict is None else verdict.code
     except _Interrupted:
         logger.info("interrupted; shutting down")

@@ -175,10 +175,12 @@ class MessagesRenderer(ItemRenderer):
         return [{"type": "message_start", "message": message}]
 
     def closing(self) -> list[dict[str, Any]]:
+        """The stop reason and the usage: all of it, since the prompt's cached part is known only
+        now (message_start counted the whole prompt as input)."""
         message = self.response()
         return [{"type": "message_delta", "delta": {"stop_reason": message["stop_reason"],
                                                     "stop_sequence": message["stop_sequence"]},
-                 "usage": {"output_tokens": message["usage"]["output_tokens"]}},
+                 "usage": message["usage"]},
                 {"type": "message_stop"}]
 
     def failure(self, error: APIError) -> str:

@@ -1,9 +1,12 @@
 """`pdserve serve` as a process: colocated mode serves what PD serves, shutdown leaves no process
-behind (SIGTERM, and SIGKILL of the launcher itself), a worker failing at start-up is reported."""
+behind (SIGTERM, and SIGKILL of the launcher itself), a worker failing at start-up is reported,
+and the router's port is held while the workers start."""
 from __future__ import annotations
 
+import errno
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -11,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.frontend.conftest import children_of, serve_command, start_server, stop_server
+from tests.frontend.conftest import children_of, free_port, serve_command, start_server, stop_server
 from tests.frontend.router_cases import API_KEY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
@@ -71,3 +74,26 @@ def test_a_worker_failing_at_startup_is_reported_and_serve_exits_1():
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, start_new_session=True)
     assert proc.returncode == 1
     assert "exited with code" in proc.stderr and "--no-such-flag" in proc.stderr
+
+
+def test_the_routers_port_is_held_while_the_workers_start():
+    """Workers and their TP rendezvous take free ports from the range tests (and users) take the
+    router's from: serve binds the router's port before it starts a worker, so none can take it
+    (a CI run once saw its prefill worker get the router's port, and serve fail to bind)."""
+    port = free_port()
+    cmd = [*serve_command(), "--port", str(port), "--mode", "colocated"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in proc.stdout:  # the worker's pool comes before it listens, and long before serving
+            seen.append(line)
+            if "KV pool:" in line:
+                break
+        assert not any("pdserve: serving" in line for line in seen), "".join(seen)
+        with socket.socket() as probe, pytest.raises(OSError) as taken:
+            probe.bind(("127.0.0.1", port))  # as ports.free_port tries a port
+        assert taken.value.errno == errno.EADDRINUSE
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)

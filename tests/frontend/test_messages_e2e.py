@@ -68,6 +68,9 @@ def test_a_streamed_message_is_the_same_message(client):
     assert [(b.type, b.text) for b in final.content] == [(b.type, b.text) for b in whole.content]
     assert final.stop_reason == whole.stop_reason == "end_turn"
     assert tokens(final.usage) == tokens(whole.usage)
+    # the same prompt again: its full blocks come from the prefix cache, and the stream's last
+    # usage says so (message_start could not know it)
+    assert final.usage.cache_read_input_tokens > 0
 
 
 def test_a_stop_sequence_is_named(client, chat):
