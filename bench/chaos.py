@@ -1,6 +1,7 @@
 """Chaos: a streaming and non-streaming load against `pdserve serve` (PD) while processes are
 killed and paused at random, then the checks that prove the server healed and nothing leaked
-(docs/supervision.md). A quarter of the requests go to the Responses API (/v1/responses).
+(docs/supervision.md). A fifth of the requests go to the Responses API, a fifth to Anthropic's
+Messages API.
 
 Faults, one every ``--every`` seconds on average (uniform in [0.5, 1.5] × that), each on a
 process drawn from the server's tree: SIGKILL of a worker's rank 0 or of a follower rank (the
@@ -12,8 +13,8 @@ in the cache, of them in host memory, and blocks evicted):
 
 * every request either succeeded or failed with an OpenAI error object (a JSON error body, or
   an SSE error event as a stream's last event): never a cut connection, never a stream that
-  ends with neither `[DONE]` nor an error (a Responses stream: neither its completed or
-  incomplete response nor `response.failed` with the error);
+  ends with neither `[DONE]` nor an error (the other APIs: neither their end, a completed or
+  incomplete response or `message_stop`, nor their failure event with the error);
 * `serve` is still running at the end, and after the last fault the server serves again;
 * every worker idle with every KV block free and no room live.
 
@@ -40,7 +41,7 @@ import random
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,9 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from soak import cmdline, start_serve, stop_serve, tree, wait_ready, workers_idle  # noqa: E402
 
 CHAT = "/v1/chat/completions"
-RESPONSES = "/v1/responses"
-RESPONSES_SHARE = 0.25  # of the requests, sent to the Responses API instead of chat
-RESPONSE_ENDS = {"response.completed", "response.incomplete"}
+OTHER_API_SHARE = 0.2  # of the requests, to each of the Responses and Messages APIs instead of chat
 MODEL = "SmolLM2-135M-Instruct"
 HEAL_S = 120.0  # after the last fault: how long the server may take to serve again
 
@@ -60,7 +59,7 @@ HEAL_S = 120.0  # after the last fault: how long the server may take to serve ag
 @dataclass
 class Tally:
     ok: int = 0
-    responses_ok: int = 0  # of them, Responses API calls
+    ok_by_api: dict[str, int] = field(default_factory=dict)  # of them, through the other APIs
     errors: dict[str, int] = field(default_factory=dict)   # failed with an error object: by status
     unexpected: list[str] = field(default_factory=list)    # failed without one
     faults: list[str] = field(default_factory=list)
@@ -94,15 +93,49 @@ def body(rng: random.Random, stream: bool, systems: Sequence[str] = ("",)) -> di
             "stream": stream}
 
 
+@dataclass(frozen=True)
+class OtherAPI:
+    """An API beside chat that gets a share of the requests, and how its answers end."""
+
+    name: str
+    path: str
+    request: Callable[[dict], dict]  # the chat body → this API's
+    finished: Callable[[dict], bool]  # a 200 body is a finished answer
+    ended: Callable[[dict], bool]     # a stream's last event ends it as it should
+    failed: Callable[[dict], bool]    # a stream's last event is its failure, with the error
+
+
 def as_response(chat: dict) -> dict:
     """The same conversation for the Responses API (chat messages are valid input items)."""
-    return {"model": MODEL, "input": chat["messages"], "max_output_tokens": chat["max_tokens"], "stream": chat["stream"]}
+    return {"model": MODEL, "input": chat["messages"], "max_output_tokens": chat["max_tokens"],
+            "stream": chat["stream"]}
+
+
+def as_message(chat: dict) -> dict:
+    """The same conversation for the Messages API (its system prompt apart)."""
+    system = next((m["content"] for m in chat["messages"] if m["role"] == "system"), "")
+    return {"model": MODEL, "system": system, "messages": [m for m in chat["messages"] if m["role"] != "system"],
+            "max_tokens": chat["max_tokens"], "stream": chat["stream"]}
+
+
+OTHER_APIS = [
+    OtherAPI("responses", "/v1/responses", as_response,
+             lambda b: b.get("status") in ("completed", "incomplete"),
+             lambda e: e.get("type") in ("response.completed", "response.incomplete"),
+             lambda e: e.get("type") == "response.failed" and bool((e.get("response") or {}).get("error"))),
+    OtherAPI("messages", "/v1/messages", as_message,
+             lambda b: b.get("type") == "message" and b.get("stop_reason") is not None,
+             lambda e: e.get("type") == "message_stop",
+             lambda e: e.get("type") == "error" and bool(e.get("error"))),
+]
 
 
 async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally, systems: Sequence[str]) -> None:
     stream = rng.random() < 0.7
-    if rng.random() < RESPONSES_SHARE:
-        return await one_response(http, as_response(body(rng, stream, systems)), tally)
+    draw = rng.random()
+    for k, api in enumerate(OTHER_APIS):
+        if draw < OTHER_API_SHARE * (k + 1):
+            return await other_api(http, api, api.request(body(rng, stream, systems)), tally)
     try:
         if not stream:
             r = await http.post(CHAT, json=body(rng, False, systems))
@@ -137,38 +170,31 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally,
         tally.unexpected.append(f"{'stream' if stream else 'request'} cut: {type(e).__name__}: {e}")
 
 
-async def one_response(http: httpx.AsyncClient, req: dict, tally: Tally) -> None:
-    """A Responses API call: it succeeds (a stream ends with the response completed or cut by
-    its token limit) or fails with an error object (a stream: `response.failed` with its error)."""
+async def other_api(http: httpx.AsyncClient, api: OtherAPI, req: dict, tally: Tally) -> None:
+    """A call of another API: it succeeds (a stream ends as the API ends one) or fails with an
+    error object (a stream: the API's failure event, with the error)."""
     try:
-        async with http.stream("POST", RESPONSES, json=req) as r:
+        async with http.stream("POST", api.path, json=req) as r:
             text = (await r.aread()).decode(errors="replace") if r.status_code != 200 or not req["stream"] else ""
-            if r.status_code != 200:
-                if "error" in _json(text):
-                    tally.error(r.status_code)
-                else:
-                    tally.unexpected.append(f"responses: HTTP {r.status_code} without an error object: {text[:120]!r}")
-                return
-            if not req["stream"]:
-                if _json(text).get("status") in ("completed", "incomplete"):
-                    tally.ok += 1
-                    tally.responses_ok += 1
-                else:
-                    tally.unexpected.append(f"responses: a 200 that is not a finished response: {text[:120]!r}")
-                return
             last: dict = {}
-            async for line in r.aiter_lines():
-                if line.startswith("data: "):
-                    last = _json(line[6:])
-        if last.get("type") in RESPONSE_ENDS:
+            if r.status_code == 200 and req["stream"]:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: "):
+                        last = _json(line[6:])
+        if r.status_code != 200:
+            if "error" in _json(text):
+                tally.error(r.status_code)
+            else:
+                tally.unexpected.append(f"{api.name}: HTTP {r.status_code} without an error object: {text[:120]!r}")
+        elif api.finished(_json(text)) if not req["stream"] else api.ended(last):
             tally.ok += 1
-            tally.responses_ok += 1
-        elif last.get("type") == "response.failed" and (last.get("response") or {}).get("error"):
+            tally.ok_by_api[api.name] = tally.ok_by_api.get(api.name, 0) + 1
+        elif req["stream"] and api.failed(last):
             tally.error("stream")
         else:
-            tally.unexpected.append(f"a Responses stream ended without its end or a failure (last: {last!r:.80})")
+            tally.unexpected.append(f"{api.name}: an answer that neither ended nor failed: {(text or last)!r:.120}")
     except httpx.HTTPError as e:
-        tally.unexpected.append(f"responses cut: {type(e).__name__}: {e}")
+        tally.unexpected.append(f"{api.name} cut: {type(e).__name__}: {e}")
 
 
 def _json(text: str) -> dict:
@@ -311,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
             "duration_s": round(time.monotonic() - started), "tp": args.tp, "clients": args.clients,
             "system_words": args.system_words, "serve_args": args.serve_arg, "prefix_cache": cache, "system_prompts": args.system_prompts,
             "faults": len(tally.faults), "fault_list": tally.faults,
-            "ok": tally.ok, "responses_ok": tally.responses_ok, "failed_with_error_object": tally.errors, "unexpected": tally.unexpected[:50],
+            "ok": tally.ok, "ok_by_api": tally.ok_by_api, "failed_with_error_object": tally.errors, "unexpected": tally.unexpected[:50],
             "unexpected_count": len(tally.unexpected), "serve_running": proc.poll() is None,
             "served_again_after_s": None if healed is None else round(healed, 1), "workers_idle": idle,
             "loads": [{k: ld[k] for k in ("url", "free_blocks", "total_blocks", "in_flight", "rooms_live")}
