@@ -5,14 +5,15 @@ prefill|decode|worker`` on free loopback ports, each in its own process group, t
 relayed to our stderr with a name prefix (as they are with --log-json: JSON lines name their
 component). The router's port is bound before the first worker starts and held (as each worker
 holds its own), so no worker or TP rendezvous picks it as a free port meanwhile. Once every
-worker's /ready answers, the router serves there (uvicorn) and the URL is printed to stdout. Ctrl-C or SIGTERM drains the router (new requests get 503, those in flight
-get --drain-timeout seconds, the rest are stopped with an error and their rooms aborted), logs
-each worker's load (its KV pool is full again: nothing leaked), then stops the workers: SIGTERM
-to each process group (they drain too, with nothing left to drain), a grace period, SIGKILL for
-stragglers; serve exits with 0. Each child also gets PR_SET_PDEATHSIG, so a launcher killed
-outright (SIGKILL) still takes its workers along. If a worker exits during start-up, its last
-lines of output are shown and serve exits with 1 (a configuration that cannot work is refused
-before any worker starts, in one line, exit 2: pdserve.preflight).
+worker's /ready answers, the router serves there (uvicorn) and the URL is printed to stdout.
+Ctrl-C or SIGTERM drains the router (new requests get 503, those in flight get --drain-timeout
+seconds, the rest are stopped with an error and their rooms aborted), logs each worker's load
+(its KV pool is full again: nothing leaked), then stops the workers: SIGTERM to each process
+group (they drain too, with nothing left to drain), a grace period, SIGKILL for stragglers;
+serve exits with 0. Each child also gets PR_SET_PDEATHSIG, so a launcher killed outright
+(SIGKILL) still takes its workers along. If a worker exits during start-up, its last lines of
+output are shown and serve exits with 1 (a configuration that cannot work is refused before any
+worker starts, in one line, exit 2: pdserve.preflight).
 
 While serving, `serve` supervises its workers (pdserve.supervisor, docs/supervision.md): a
 worker that exits is restarted whole (a new process group, the same port, a new worker id)
