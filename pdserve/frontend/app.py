@@ -52,7 +52,7 @@ from pdserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest,
                                        MessagesRequest, ResponsesRequest, TokenizeRequest)
 from pdserve.frontend.render import version
 from pdserve.frontend.requests import (Call, Calls, Serving, create_chat_completion, create_completion, create_message,
-                                       create_response)
+                                       create_response, stored_response)
 from pdserve.frontend.server import Router
 from pdserve.frontend.tokens import count_tokens, detokenize, tokenize
 from pdserve.logs import REQUEST_ID
@@ -111,6 +111,16 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
     async def responses(request: Request) -> Response:
         req = await _parse(request, ResponsesRequest)
         return await create_response(serving, req, _call(ids, request))
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict[str, Any]:
+        return stored_response(serving, response_id).response
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        stored_response(serving, response_id)
+        serving.responses.delete(response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     @app.post("/v1/messages")
     async def messages(request: Request) -> Response:

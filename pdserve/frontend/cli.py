@@ -71,6 +71,9 @@ def add_http_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-request-bytes", type=int, default=8 << 20, help="larger bodies get 413")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the smallest the workers report)")
+    p.add_argument("--responses-store", type=_non_negative, default=1024, metavar="N",
+                   help="keep the last N Responses API responses in memory, for previous_response_id and "
+                        "GET /v1/responses/{id} (0: keep none; each router keeps its own)")
     add_admission_flags(p)
 
 
@@ -127,6 +130,13 @@ def _parser_name(text: str) -> str:
     return text
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -151,7 +161,8 @@ def router_config(args: argparse.Namespace, model_dir: Path, prefill: list[str],
                         worker_capacity=args.worker_capacity, max_running=args.max_running,
                         routing=getattr(args, "routing", "cache-aware"),
                         slow_after_s=args.slow_after, dead_after_s=args.dead_after,
-                        retries=args.retries, internal_token=internal_token(args))
+                        retries=args.retries, internal_token=internal_token(args),
+                        responses_store=args.responses_store)
 
 
 def api_key(args: argparse.Namespace) -> str | None:

@@ -42,12 +42,15 @@ class RouterConfig:
     inline_tokenize_chars: int = 4096     # longer prompts are tokenized off the event loop
     drain_timeout_s: float = 30.0         # SIGTERM: how long in-flight requests may finish
     loop_stall_s: float = 5.0             # /health fails when the event loop lagged this long
+    responses_store: int = 1024           # Responses kept for previous_response_id (0: none)
 
     def __post_init__(self) -> None:
         if self.stream_batch < 1:
             raise ValueError("stream_batch must be >= 1")
         if self.retries < 0:
             raise ValueError("retries must be >= 0")
+        if self.responses_store < 0:
+            raise ValueError("responses_store must be >= 0")
         colocated = self.worker_urls or self.discover_worker
         if not colocated and not ((self.prefill_urls or self.discover_prefill)
                                   and (self.decode_urls or self.discover_decode)):

@@ -330,10 +330,10 @@ RESPONSES_INCLUDE_NOOP = frozenset({
 
 
 class ResponsesRequest(BaseModel):
-    """POST /v1/responses: OpenAI's Responses API, served statelessly. Every turn sends the whole
-    conversation in `input` (messages, the model's function calls and their outputs); nothing is
-    stored, so `previous_response_id` and `conversation` are refused. The items and tools are
-    checked and turned into a chat request in ``responses``."""
+    """POST /v1/responses: OpenAI's Responses API. A turn sends the whole conversation in `input`
+    (messages, the model's function calls and their outputs), or continues a stored response
+    (`previous_response_id`, response_store.py); `conversation` objects are refused. The items and
+    tools are checked and turned into a chat request in ``responses``."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -350,7 +350,7 @@ class ResponsesRequest(BaseModel):
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", …}}
     reasoning: dict[str, Any] | None = None  # accepted; the model reasons as its template says
     stream: bool = False
-    store: bool | None = None  # accepted; nothing is stored (the response says "store": false)
+    store: bool | None = None  # None or true: kept for previous_response_id (response_store.py)
     metadata: dict[str, str] | None = None
     user: str | None = None
     truncation: Literal["disabled"] | None = None  # "auto" would drop input items: not done
@@ -362,9 +362,9 @@ class ResponsesRequest(BaseModel):
 
     @model_validator(mode="after")
     def _stateless(self) -> ResponsesRequest:
-        if self.previous_response_id is not None or self.conversation is not None:
-            raise ValueError("this server stores no responses or conversations: send the whole conversation "
-                             "in input (previous_response_id and conversation are not supported)")
+        if self.conversation is not None:
+            raise ValueError("conversations are not supported: send the whole conversation in input, or "
+                             "continue a stored response with previous_response_id")
         if self.background:
             raise ValueError("background responses are not supported")
         if "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs:

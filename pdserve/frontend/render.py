@@ -125,6 +125,10 @@ class Renderer:
         """What ends a stream that failed: an OpenAI error object (no [DONE] follows)."""
         return error_event(error)
 
+    def done(self) -> None:
+        """The answer ended well: every choice finished and no error came (what outlives the
+        call, a stored response, is kept here)."""
+
     def __init__(self, response_id: str, model: str, num_choices: int, prompt_tokens: int,
                  tokenizer: Tokenizer, include_usage: bool = False, continuous_usage: bool = False) -> None:
         self.id = response_id

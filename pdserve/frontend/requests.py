@@ -24,6 +24,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -43,7 +44,8 @@ from pdserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest,
 from pdserve.frontend.render import DONE, ChatRenderer, CompletionRenderer, SSEResponse
 from pdserve.frontend.messages import MessagesRenderer
 from pdserve.frontend.messages import chat_request as messages_chat_request
-from pdserve.frontend.responses import ResponsesRenderer, chat_request
+from pdserve.frontend.response_store import ResponseStore, StoredResponse
+from pdserve.frontend.responses import ResponsesRenderer, chat_request, history
 from pdserve.frontend.tools import (ToolPolicy, check_constraint, for_prompt, json_calls, output_constraint,
                                     router_grammars)
 from pdserve.frontend.workers import WorkerPool
@@ -100,6 +102,7 @@ class Serving:
     calls: Calls
     model_context: int          # the model's own context length, until a worker reports one
     admission: Admission | None = None  # the bounded queue in front of the workers (admission.py)
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(0))  # previous_response_id
 
     def check_model(self, name: str | None) -> str:
         """The served name for a request's "model" (None means the served model); else 404."""
@@ -161,14 +164,31 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: C
 
 
 async def create_response(s: Serving, req: ResponsesRequest, call: Call) -> Response:
-    """/v1/responses: the chat path, answered as a Response (responses.py)."""
+    """/v1/responses: the chat path, answered as a Response (responses.py); kept in the store
+    unless the request says `store: false` (response_store.py)."""
+    before = history(s.responses, req)
+    store = s.responses if req.store is not False and s.responses.enabled else None
+    # a stored response's id must not repeat: a fresh one, not the client's X-Request-Id
+    response_id = f"resp_{uuid.uuid4().hex}"
+    logger.info("[%s] response %s%s", call.request_id, response_id,
+                f", after {req.previous_response_id}" if req.previous_response_id else "")
     try:
-        return await create_chat_completion(s, chat_request(req), call, lambda model, prompt_tokens: ResponsesRenderer(
-            f"resp_{call.request_id}", model, prompt_tokens, s.tokenizer, req))
+        return await create_chat_completion(
+            s, chat_request(req, before), call,
+            lambda model, prompt_tokens: ResponsesRenderer(response_id, model, prompt_tokens, s.tokenizer, req,
+                                                           before, store))
     except APIError as e:
         if e.param == "messages":  # what the client sent as `input`
             e.param = "input"
         raise
+
+
+def stored_response(s: Serving, response_id: str) -> StoredResponse:
+    """GET and DELETE /v1/responses/{id}: the stored response; 404 when it is not here."""
+    stored = s.responses.get(response_id)
+    if stored is None:
+        raise APIError(f"Response with id '{response_id}' not found.", 404, "invalid_request_error", "response_id")
+    return stored
 
 
 async def create_message(s: Serving, req: MessagesRequest, call: Call) -> Response:
@@ -361,6 +381,7 @@ async def _stream(first: ChoiceEvent | None, events: AsyncIterator[ChoiceEvent],
             yield renderer.sse(chunk)
     for chunk in renderer.closing():
         yield renderer.sse(chunk)
+    renderer.done()
     if renderer.done_marker:
         yield DONE
     tracker.status = 200
@@ -395,6 +416,7 @@ async def _collect(gen: Generation, renderer: Renderer, tracker: CallTracker, ht
             tracker.status = error.status
             return _error_response(error, tracker.call.endpoint)
         tracker.status = 200
+        renderer.done()
         return JSONResponse(renderer.response())
     finally:
         work.cancel()

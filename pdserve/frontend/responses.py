@@ -17,6 +17,10 @@ last `response.completed` (or `response.incomplete` when `max_output_tokens` cut
 A call the model wrote that is not a valid call is never a `function_call` item a client would
 run: one whose start was streamed ends with status "incomplete"; every such call is listed in
 the response's `invalid_tool_calls`, as chat completions list them.
+
+A stored response (`response_store.py`) can be continued: `previous_response_id` puts its
+conversation before the request's own input (`history`), and a response that ended well is
+stored with its conversation (`ResponsesRenderer.done`).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from pydantic import ValidationError
 from pdserve.frontend.errors import APIError, invalid, validation_message
 from pdserve.frontend.protocol import ChatCompletionRequest, ResponsesRequest
 from pdserve.frontend.render import ItemRenderer
+from pdserve.frontend.response_store import ResponseStore
 from pdserve.parsers import ToolCallStart
 from pdserve.tokenizer import Tokenizer
 
@@ -40,12 +45,33 @@ TEXT_PARTS = ("input_text", "output_text", "text")
 # ---- request: Responses → chat -------------------------------------------------------------------
 
 
-def chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
-    """The chat request that answers `req`; 400 (naming the Responses field) when an item, a
-    tool or the format cannot be expressed."""
+def history(store: ResponseStore, req: ResponsesRequest) -> tuple[dict[str, Any], ...]:
+    """The conversation `req` continues: its previous response's (empty without one); 400 when
+    that response is not stored here."""
+    if req.previous_response_id is None:
+        return ()
+    if not store.enabled:
+        raise invalid("This server stores no responses (--responses-store 0): send the whole conversation "
+                      "in input instead of previous_response_id.", "previous_response_id")
+    stored = store.get(req.previous_response_id)
+    if stored is None:
+        raise invalid(f"Previous response with id '{req.previous_response_id}' not found.", "previous_response_id",
+                      "previous_response_not_found")
+    return stored.conversation
+
+
+def input_items(req: ResponsesRequest) -> list[Any]:
+    """`input` as a list of items (a string is one user message)."""
+    return [{"type": "message", "role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
+
+
+def chat_request(req: ResponsesRequest, before: tuple[dict[str, Any], ...] = ()) -> ChatCompletionRequest:
+    """The chat request that answers `req` after the conversation `before`; 400 (naming the
+    Responses field) when an item, a tool or the format cannot be expressed."""
     messages = [{"role": "system", "content": req.instructions}] if req.instructions else []
-    items = [{"role": "user", "content": req.input}] if isinstance(req.input, str) else req.input
-    for i, item in enumerate(items):
+    for item in before:  # items this server stored: valid ones
+        _add_item(messages, item, "previous_response_id")
+    for i, item in enumerate(input_items(req)):
         _add_item(messages, item, f"input[{i}]")
     body: dict[str, Any] = {
         "model": req.model, "messages": messages, "stream": req.stream,
@@ -154,10 +180,13 @@ class ResponsesRenderer(ItemRenderer):
     object_name = "response"
 
     def __init__(self, response_id: str, model: str, prompt_tokens: int, tokenizer: Tokenizer,
-                 req: ResponsesRequest) -> None:
+                 req: ResponsesRequest, before: tuple[dict[str, Any], ...] = (),
+                 store: ResponseStore | None = None) -> None:
         super().__init__(response_id, model, 1, prompt_tokens, tokenizer)
         self.created_at = time.time()
         self.req = req
+        self.before = before  # the conversation it continues
+        self.store = store    # where it is kept once it ended well (None: not kept)
         self.items: list[dict[str, Any]] = []  # output items, in the order they opened
         self.sequence = 0
         self.error: APIError | None = None
@@ -177,6 +206,15 @@ class ResponsesRenderer(ItemRenderer):
         out = self._close(final=True)
         return "".join(self.sse(e) for e in out) + self.sse(self._event("response.failed", response=self.response()))
 
+    def done(self) -> None:
+        """Kept with its conversation: what came before, its input, its output (less the calls
+        that are not valid calls: nobody ran them, nobody answers them)."""
+        if self.store is None:
+            return
+        output = [item for item in self.items if item["type"] != "function_call" or item["status"] == "completed"]
+        self.store.put(self.response(), [*self.before, *input_items(self.req), *copy.deepcopy(output)],
+                       len(self.before))
+
     def response(self) -> dict[str, Any]:
         req, state = self.req, self.choices[0]
         out: dict[str, Any] = {
@@ -188,7 +226,8 @@ class ResponsesRenderer(ItemRenderer):
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "tools": req.tools or [],
             "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled", "store": False,
+            "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled",
+            "store": self.store is not None, "previous_response_id": req.previous_response_id,
             "metadata": req.metadata or {}, "user": req.user,
             "usage": None if self.status == "in_progress" else {
                 "input_tokens": self.prompt_tokens, "input_tokens_details": {"cached_tokens": state.cached_tokens},

@@ -29,6 +29,7 @@ from pdserve.frontend.errors import unavailable
 from pdserve.frontend.output import ChatOutput
 from pdserve.frontend.prompts import PromptBuilder
 from pdserve.frontend.requests import Calls, Serving
+from pdserve.frontend.response_store import ResponseStore
 from pdserve.frontend.worker_client import WorkerClient
 from pdserve.quiet_server import QuietServer
 from pdserve.frontend.workers import WorkerPool
@@ -70,7 +71,7 @@ class Router:
                             placer=self.admission, retries=config.retries, on_retry=self.metrics.retried)
         self.serving = Serving(config, tokenizer, PromptBuilder(tokenizer, config.inline_tokenize_chars), output,
                                self.pool, services, self.metrics, self.calls, _model_context(config),
-                               self.admission)
+                               self.admission, ResponseStore(config.responses_store))
         self._tasks: set[asyncio.Task[Any]] = set()
         self._background: list[asyncio.Task[Any]] = []
         self._tick = time.monotonic()         # the heartbeat's last turn

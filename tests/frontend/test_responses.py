@@ -8,7 +8,8 @@ from pdserve.frontend.choices import Batch, ChoiceEvent
 from pdserve.frontend.errors import APIError
 from pdserve.frontend.output import OutputDelta
 from pdserve.frontend.protocol import ResponsesRequest
-from pdserve.frontend.responses import ResponsesRenderer, chat_request
+from pdserve.frontend.response_store import ResponseStore
+from pdserve.frontend.responses import ResponsesRenderer, chat_request, history
 from pdserve.parsers import ContentDelta, InvalidCall, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
@@ -141,3 +142,82 @@ def test_a_failure_mid_stream_closes_the_open_item_and_ends_with_response_failed
     final = r.response()
     assert final["status"] == "failed" and final["output"][0]["status"] == "incomplete"
     assert final["error"] == {"code": "worker_lost", "message": "the decode worker was lost"}
+
+
+# ---- stored responses (response_store.py) ----------------------------------------------------------
+
+
+def ended(store: ResponseStore | None, before=(), body=None, rid: str = "resp_1") -> ResponsesRenderer:
+    """A response that wrote a reasoning item, text, one valid and one invalid call, then ended."""
+    req = ResponsesRequest.model_validate(body or {"input": "Weather?", "tools": [WEATHER]})
+    r = ResponsesRenderer(rid, "m", 12, None, req, before, store)
+    r.absorb(event([ReasoningDelta("Hm."), ContentDelta("Checking."), ToolCallStart(0, "call_a", "get_weather"),
+                    ToolCallArgs(0, '{"city": "Oslo"}'), ToolCallEnd(0, True),
+                    ToolCallStart(1, "call_b", "get_weather"), ToolCallArgs(1, "{"),
+                    InvalidCall(1, "get_weather", "{", "bad_arguments")], 9, "tool_calls"))
+    r.done()
+    return r
+
+
+def test_a_stored_response_keeps_its_conversation_less_the_calls_nobody_ran():
+    store = ResponseStore(4)
+    r = ended(store)
+    stored = store.get("resp_1")
+    assert stored.response == r.response() and stored.response["store"] is True
+    assert [(item.get("type"), item.get("role"), item.get("call_id")) for item in stored.conversation] == [
+        ("message", "user", None), ("reasoning", None, None), ("message", "assistant", None),
+        ("function_call", None, "call_a")]
+    # the continuation: what came before, then the new input, under the new instructions
+    req = ResponsesRequest.model_validate({"instructions": "Be brief.", "previous_response_id": "resp_1", "input": [
+        {"type": "function_call_output", "call_id": "call_a", "output": "sunny"}]})
+    messages = [m.model_dump(exclude_none=True) for m in chat_request(req, history(store, req)).messages]
+    assert messages == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "sunny"}]
+    # a chain: the second response's conversation holds the first's, then its own turn
+    ended(store, history(store, req), req.model_dump(exclude_none=True), "resp_2")
+    second = store.get("resp_2")
+    assert second.response["previous_response_id"] == "resp_1"
+    assert second.conversation[:4] == stored.conversation and len(second.conversation) == 8
+    assert second.conversation[4] == {"type": "function_call_output", "call_id": "call_a", "output": "sunny"}
+    assert store.get("resp_1").conversation == stored.conversation  # the first is unchanged
+
+
+def test_store_false_a_failure_and_a_full_store_keep_nothing_more():
+    store = ResponseStore(2)
+    ended(None, body={"input": "x", "store": False})
+    assert len(store) == 0
+    r = ResponsesRenderer("resp_f", "m", 12, None, ResponsesRequest.model_validate({"input": "x"}), (), store)
+    r.absorb(event([ContentDelta("Hel")], 1))
+    r.failure(APIError("lost", 503))  # a failed stream never reaches done()
+    assert store.get("resp_f") is None
+    for rid in ("a", "b", "c"):
+        store.put({"id": rid}, [])
+        store.get("a")  # used: the oldest unused goes first
+    assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
+    assert store.delete("a") and not store.delete("a") and len(store) == 1
+
+
+def test_the_store_keeps_to_its_bytes_counting_each_item_with_the_response_that_brought_it():
+    store = ResponseStore(10, max_bytes=1000)
+    turn = [{"type": "message", "role": "user", "content": "x" * 200}]
+    store.put({"id": "a"}, turn)
+    store.put({"id": "b"}, [*store.get("a").conversation, *turn], new=1)  # a continuation: one new item
+    assert store.get("b").size == store.get("a").size < 300  # the earlier item is a's, not b's too
+    for rid in "cde":
+        store.put({"id": rid}, turn)
+    assert [rid for rid in "abcde" if store.get(rid)] == ["c", "d", "e"]  # 5 × ≈ 250 > 1000: the oldest go
+    assert store.bytes == sum(store.get(rid).size for rid in "cde") <= 1000
+    store.put({"id": "big"}, [{"content": "y" * 5000}])  # alone over the budget: kept, alone
+    assert len(store) == 1 and store.bytes == store.get("big").size
+
+
+@pytest.mark.parametrize("capacity, code", [(0, None), (4, "previous_response_not_found")])
+def test_an_unknown_previous_response_is_a_400_naming_the_field(capacity, code):
+    req = ResponsesRequest.model_validate({"input": "x", "previous_response_id": "resp_gone"})
+    with pytest.raises(APIError) as e:
+        history(ResponseStore(capacity), req)
+    assert (e.value.status, e.value.param, e.value.code) == (400, "previous_response_id", code)

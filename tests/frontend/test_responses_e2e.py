@@ -2,8 +2,9 @@
 chat completion of the same conversation (greedy, token for token, the same usage), streamed or
 not; the SDK's stream helper, which checks every event against the items it opened, rebuilds the
 same response; a forced function call comes back as a `function_call` item, and sending it with
-its output continues the conversation exactly as the chat messages of that turn would; a JSON
-schema in `text.format` holds."""
+its output continues the conversation exactly as the chat messages of that turn would, and so
+does continuing the stored response with `previous_response_id`; a JSON schema in `text.format`
+holds; stored responses are retrieved, deleted, and never kept with `store: false`."""
 from __future__ import annotations
 
 import json
@@ -101,6 +102,11 @@ def test_a_function_call_and_its_output_continue_the_conversation_as_chat_does(c
                                                 temperature=0)
     assert after.usage.input_tokens == chat_after.usage.prompt_tokens
     assert after.output_text == chat_after.choices[0].message.content and after.output_text
+    # the same turn as a continuation of the stored response: only the outputs are sent
+    continued = client.responses.create(model=MODEL, previous_response_id=r.id, input=outputs, tools=[STRICT_WEATHER],
+                                        max_output_tokens=40, temperature=0)
+    assert continued.previous_response_id == r.id
+    assert (continued.usage.input_tokens, continued.output_text) == (after.usage.input_tokens, after.output_text)
 
     with client.responses.stream(model=MODEL, input=QUESTION, tools=[STRICT_WEATHER], tool_choice="required",
                                  max_output_tokens=60, temperature=0) as stream:
@@ -121,3 +127,35 @@ def test_a_json_schema_format_holds(client):
     assert r.status == "completed"
     value = json.loads(r.output_text)
     assert set(value) == {"name", "age"} and isinstance(value["age"], int)
+
+
+def test_a_continued_response_is_the_response_to_the_whole_conversation(client):
+    first = client.responses.create(model=MODEL, instructions="Be brief.", input="My name is Ada. Say hi.",
+                                    max_output_tokens=80, temperature=0)
+    assert first.store is True and client.responses.retrieve(first.id).model_dump() == first.model_dump()
+    with client.responses.stream(model=MODEL, instructions="Be brief.", previous_response_id=first.id,
+                                 input="What is my name?", max_output_tokens=80, temperature=0) as stream:
+        second = stream.get_final_response()
+    # stateless: the whole conversation sent again, the earlier output items as they came back
+    whole = client.responses.create(model=MODEL, instructions="Be brief.", input=[
+        {"role": "user", "content": "My name is Ada. Say hi."}, *[o.to_dict() for o in first.output],
+        {"role": "user", "content": "What is my name?"}], max_output_tokens=80, temperature=0, store=False)
+    assert second.status == whole.status == "completed"  # the stream helper's final response needs it
+    assert second.previous_response_id == first.id and second.output_text == whole.output_text
+    assert second.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens
+    kept = client.responses.retrieve(second.id)  # (the helper's final response is a ParsedResponse)
+    assert (kept.output_text, kept.usage, kept.previous_response_id) == (second.output_text, second.usage, first.id)
+
+    with pytest.raises(openai.NotFoundError):  # store: false keeps nothing
+        client.responses.retrieve(whole.id)
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError) as gone:
+        client.responses.retrieve(first.id)
+    assert gone.value.body["param"] == "response_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, previous_response_id=first.id, input="Again?", max_output_tokens=4)
+    assert (e.value.code, e.value.param) == ("previous_response_not_found", "previous_response_id")
+    # the chain after it lives on: each response keeps its whole conversation
+    third = client.responses.create(model=MODEL, previous_response_id=second.id, input="Thanks.",
+                                    max_output_tokens=4, temperature=0)
+    assert third.usage.input_tokens > second.usage.input_tokens

@@ -1,0 +1,83 @@
+"""Stored responses: what `previous_response_id` continues, and what ``GET /v1/responses/{id}``
+returns and ``DELETE`` forgets.
+
+A Responses request with `store` (true unless the client says false, as OpenAI's default is) is
+kept once it has ended, completed or cut by `max_output_tokens`, together with the conversation
+it ended: the items before it (its previous response's conversation), its own input items and
+its output items. A later request naming it as `previous_response_id` is answered as if it had
+sent that conversation followed by its own input (its `instructions` replace the earlier ones,
+as OpenAI's do). Reasoning items travel along and are left out of the prompt as always; a
+function call that was not a valid call is never part of the conversation.
+
+The store is the router process's memory: bounded by `capacity` responses and by `max_bytes` of
+their own items (JSON-encoded), least recently used forgotten first, and lost on restart. A
+conversation's earlier items are counted with the response that brought them; once that one is
+forgotten, a later response still holds them, at most one context's worth. With several routers behind one Service, a continuation
+finds its response only on the router that answered it (the README's Responses API).
+"""
+from __future__ import annotations
+
+import copy
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+MAX_BYTES = 256 << 20  # of stored items: long agent conversations sent whole are large
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """One ended response and the conversation it ended."""
+
+    response: dict[str, Any]            # the Response object as last sent
+    conversation: tuple[dict[str, Any], ...]  # every item so far, its output included
+    size: int                           # bytes of its own items and of the response, as JSON
+
+
+class ResponseStore:
+    """Up to `capacity` responses and `max_bytes` by id, least recently used forgotten first
+    (capacity 0: none kept).
+
+    Conversations share their items: a chain of n turns holds each item once and n tuples of
+    references, not n copies."""
+
+    def __init__(self, capacity: int, max_bytes: int = MAX_BYTES) -> None:
+        self.capacity = capacity
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    def __len__(self) -> int:
+        return len(self._responses)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        stored = self._responses.get(response_id)
+        if stored is not None:
+            self._responses.move_to_end(response_id)
+        return stored
+
+    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], new: int = 0) -> None:
+        """Keep `response` (copied: the caller's dict may change) and its conversation, whose
+        items from `new` on are its own (those before came with an earlier response)."""
+        if not self.enabled:
+            return
+        size = len(json.dumps([response, conversation[new:]], ensure_ascii=False))
+        self.delete(response["id"])
+        self._responses[response["id"]] = StoredResponse(copy.deepcopy(response), tuple(conversation), size)
+        self.bytes += size
+        while len(self._responses) > self.capacity or (self.bytes > self.max_bytes and len(self._responses) > 1):
+            _, old = self._responses.popitem(last=False)
+            self.bytes -= old.size
+
+    def delete(self, response_id: str) -> bool:
+        """Forget one; False when it is not here."""
+        stored = self._responses.pop(response_id, None)
+        if stored is None:
+            return False
+        self.bytes -= stored.size
+        return True
