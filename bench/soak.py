@@ -155,8 +155,15 @@ async def _responses(http: httpx.AsyncClient, tally: Tally, body: dict) -> None:
     last = events[-1] if events else {}
     if numbers != list(range(len(events))) or last.get("type") not in ("response.completed", "response.incomplete"):
         tally.unexpected.append(f"responses: events {[e.get('type') for e in events][-3:]}, numbers {numbers[:5]}…")
-    else:
-        tally.ok += 1
+        return
+    # the next turn continues the stored response: its prompt holds the whole first turn
+    first = last["response"]
+    r = await http.post(RESPONSES, json={"previous_response_id": first["id"], "input": "Go on.",
+                                         "max_output_tokens": 8, "temperature": 0.7})
+    _judge(tally, "responses", r.status_code, r.text, check=lambda answer: None if (
+        answer["previous_response_id"] == first["id"]
+        and answer["usage"]["input_tokens"] > first["usage"]["input_tokens"] + first["usage"]["output_tokens"]
+    ) else f"a continuation of {first['id']}: {answer['previous_response_id']}, {answer['usage']}")
 
 
 async def _messages(http: httpx.AsyncClient, tally: Tally, body: dict) -> None:
