@@ -7,8 +7,10 @@ assistant message's `tool_use` blocks its tool calls (`input` as JSON arguments)
 (`input_schema`) function tools; `tool_choice` `auto`/`any`/`tool`/`none` the chat choices
 (`disable_parallel_tool_use` turns parallel calls off); `stop_sequences` stop strings;
 `output_config.format` (a JSON schema) the structured output. Earlier
-`thinking` blocks are left out, as chat templates leave past reasoning out. From there it takes
-the chat path unchanged: the model's template, the token-ID parser, the workers.
+`thinking` blocks are left out, as chat templates leave past reasoning out. A final assistant
+message of text is a prefill, as Anthropic's: the model continues it (chat's
+`continue_final_message`), and the answer holds only what follows. From there it takes the chat
+path unchanged: the model's template, the token-ID parser, the workers.
 
 `MessagesRenderer` turns the choice's parser events into content blocks in the order the model
 wrote them: `thinking`, `text` and `tool_use` (its `input` the parsed arguments). Streaming sends
@@ -49,6 +51,13 @@ def chat_request(req: MessagesRequest, stream: bool | None = None) -> ChatComple
     for i, message in enumerate(req.messages):
         _add_message(messages, message, f"messages[{i}]")
     choice = req.tool_choice or {}
+    last = messages[-1] if len(req.messages) else None
+    prefill = (last is not None and last["role"] == "assistant" and "tool_calls" not in last
+               and isinstance(last["content"], str))
+    if prefill and last["content"] != last["content"].rstrip():
+        # as Anthropic: the model would continue after a space it would rather have written
+        raise invalid("final assistant content cannot end with trailing whitespace",
+                      f"messages[{len(req.messages) - 1}].content")
     body: dict[str, Any] = {
         "model": req.model, "messages": messages, "max_tokens": req.max_tokens,
         "stream": req.stream if stream is None else stream,
@@ -57,6 +66,7 @@ def chat_request(req: MessagesRequest, stream: bool | None = None) -> ChatComple
         "tool_choice": _chat_tool_choice(choice) if req.tools or choice else None,
         "parallel_tool_calls": False if choice.get("disable_parallel_tool_use") else None,
         "response_format": _response_format(req.output_config),
+        "continue_final_message": prefill or None, "add_generation_prompt": not prefill,
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})

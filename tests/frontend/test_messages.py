@@ -52,6 +52,25 @@ def test_blocks_become_the_chat_messages_of_one_conversation():
     assert (chat.max_tokens, chat.temperature, chat.top_k, chat.stop) == (30, 0.5, 5, ["END"])
     named = chat_request(req.model_copy(update={"tool_choice": {"type": "tool", "name": "get_weather"}}))
     assert named.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
+    assert (chat.continue_final_message, chat.add_generation_prompt) == (False, True)
+
+
+def test_a_final_assistant_text_is_a_prefill_the_model_continues():
+    def chat_of(*messages):
+        return chat_request(MessagesRequest.model_validate({"max_tokens": 9, "messages": list(messages)}))
+
+    question = {"role": "user", "content": "Name a color."}
+    prefill = chat_of(question, {"role": "assistant", "content": [{"type": "text", "text": "My answer: "},
+                                                                  {"type": "text", "text": "the color"}]})
+    assert (prefill.continue_final_message, prefill.add_generation_prompt) == (True, False)
+    assert prefill.messages[-1].content == "My answer: the color"
+    # a final turn of tool calls is no prefill: the template closes it as it closes any turn
+    called = chat_of(question, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "t", "name": "f", "input": {}}]})
+    assert (called.continue_final_message, called.add_generation_prompt) == (False, True)
+    with pytest.raises(APIError) as e:  # Anthropic refuses it too
+        chat_of(question, {"role": "assistant", "content": "Blue "})
+    assert (e.value.status, e.value.param) == (400, "messages[1].content")
 
 
 @pytest.mark.parametrize("body, param", [

@@ -1,7 +1,7 @@
 """Anthropic's Messages API through `pdserve serve` (PD) and the official `anthropic` SDK (which
 authenticates with `x-api-key`): a message is the chat completion of the same conversation
 (greedy, token for token, the same token counts); the SDK's stream helper rebuilds the same
-message; a stop sequence, a forced tool use and its result, a JSON-schema output and
+message; a stop sequence, a forced tool use and its result, a prefill, a JSON-schema output and
 count_tokens match their chat counterparts; errors come in Anthropic's shape."""
 from __future__ import annotations
 
@@ -114,6 +114,17 @@ def test_a_tool_use_and_its_result_continue_the_conversation_as_chat_does(client
         {"role": "user", "content": QUESTION}, {"role": "assistant", "content": m.content},
         {"role": "user", "content": results}])
     assert count.input_tokens == chat_after.usage.prompt_tokens
+
+
+def test_a_prefill_is_continued_as_chat_continues_a_final_message(client, chat):
+    turns = [{"role": "user", "content": "Name three colors."}, {"role": "assistant", "content": "Sure! The first is"}]
+    m = client.messages.create(model=MODEL, max_tokens=30, messages=turns, **GREEDY)
+    c = chat.chat.completions.create(model=MODEL, max_tokens=30, temperature=0, messages=turns,
+                                     extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert m.content[0].text == c.choices[0].message.content and m.content[0].text  # what follows, alone
+    assert tokens(m.usage) == (c.usage.prompt_tokens, c.usage.completion_tokens)
+    closed = chat.chat.completions.create(model=MODEL, max_tokens=30, temperature=0, messages=turns)
+    assert closed.usage.prompt_tokens > c.usage.prompt_tokens  # the turn closed, a new one opened
 
 
 def test_a_json_schema_output_holds(client):
