@@ -77,6 +77,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: list[int] | None = None  # None: any token; else only these are sampled
     seed: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
@@ -114,6 +115,8 @@ class SamplingParams:
             raise ValueError("prompt_logprobs must be in [0, 20]")
         if self.resumed_tokens < 0:
             raise ValueError("resumed_tokens must be >= 0")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty")
 
     @property
     def greedy(self) -> bool:

@@ -110,13 +110,19 @@ def _only(bitmask: torch.Tensor, row: int, token_ids: frozenset[int]) -> None:
 def _plain_greedy(seq: Sequence) -> bool:
     """Greedy with nothing that changes the logits and no logprobs: the argmax is the token."""
     p = seq.params
-    return (p.greedy and p.logprobs is None and not p.logit_bias and p.repetition_penalty == 1.0
+    return (p.greedy and p.logprobs is None and not p.logit_bias and p.allowed_token_ids is None
+            and p.repetition_penalty == 1.0
             and not p.presence_penalty and not p.frequency_penalty
             and (len(seq.output_ids) >= p.min_tokens))
 
 
 def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
     p = seq.params
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros(row.numel(), dtype=torch.bool, device=row.device)
+        ids = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
+        keep[ids[ids < row.numel()]] = True  # the router checked them against the vocabulary
+        row.masked_fill_(~keep, float("-inf"))
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
         valid = ids < row.numel()
@@ -126,8 +132,8 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         if banned:
             kept = row[list(banned)].clone()
             row[list(banned)] = float("-inf")
-            if p.structured is not None and not torch.isfinite(row).any():
-                row[list(banned)] = kept  # the grammar allows nothing but the end: it wins
+            if (p.structured is not None or p.allowed_token_ids is not None) and not torch.isfinite(row).any():
+                row[list(banned)] = kept  # the grammar (or the allowed set) has only the end: it wins
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(seq.prompt_ids) | set(seq.output_ids)), dtype=torch.long)
         vals = row[seen]

@@ -121,6 +121,7 @@ class ChoiceEvent:
     num_tokens: int = 0                # tokens generated so far (the completion's usage)
     cached_tokens: int | None = None   # with the finish: prompt tokens reused from a prefix cache
     stop_sequence: str | None = None   # with a "stop" finish: the stop string that ended the text
+    stop_token: int | None = None      # ... or the request's stop token id that ended it
 
     @property
     def last(self) -> bool:
@@ -158,6 +159,7 @@ class ChoiceRun:
         self.batcher = DeltaBatcher(stream_batch)
         self.num_tokens = 0
         self.cached_tokens = 0  # the worker's count, from the last token line
+        self.stop_token: int | None = None  # the request's stop token that ended it, if one did
         self.finished = False
         self.prefill_seconds: float | None = None
         self.rid = spec.request_id      # the room id of the current attempt, and what it asks
@@ -381,6 +383,9 @@ class ChoiceRun:
             # a choice that went on elsewhere: the worker counts its tokens so far as prompt
             self.cached_tokens = min(line.cached_tokens or 0, len(self.spec.prompt_ids))
             self._worker_finished = True
+            last = self.output_ids[-1] if self.output_ids else None
+            if reason is FinishReason.STOP and last in self.spec.params.stop_token_ids:
+                self.stop_token = last  # not the model's own end: vLLM's stop_reason names it
             self._finish("length" if self.spec.hide_output else reason.value)
             return True
         if reason is not None:
@@ -394,7 +399,8 @@ class ChoiceRun:
         self.finished = self._ended = True
         reason = self.decoder.finish_reason or reason        # e.g. "tool_calls"
         self.emit(ChoiceEvent(self.spec.index, self.batcher.take(), reason, num_tokens=self.num_tokens,
-                              cached_tokens=self.cached_tokens, stop_sequence=self.decoder.stop_sequence))
+                              cached_tokens=self.cached_tokens, stop_sequence=self.decoder.stop_sequence,
+                              stop_token=self.stop_token))
 
     def _end_with_error(self, error: APIError) -> None:
         self._ended = True

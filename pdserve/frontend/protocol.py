@@ -2,7 +2,7 @@
 
 Field bounds follow the OpenAI API reference; the extras vLLM accepts in the body (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``) are accepted too, as are SGLang's ``separate_reasoning`` and
+``include_stop_str_in_output``, ``allowed_token_ids``) are accepted too, as are SGLang's ``separate_reasoning`` and
 ``chat_template_kwargs``. Unknown fields are ignored. Tools are checked for shape here and kept as sent; what they mean for the prompt
 and the output is in ``tools``. Checks that need the tokenizer or the context length (token ids,
 logit-bias ids, prompt length) are done later, in ``params`` and ``prompts``.
@@ -83,6 +83,7 @@ class GenerationFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False  # the text ends with the stop string it met
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)  # only these are sampled
     # vLLM's structured outputs (pdserve.structured.spec reads them; one constraint per request)
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None

@@ -83,10 +83,17 @@ class ChoiceState:
     echoed: bool = False  # the echo went out (streaming with logprobs: with the first event)
     cached_tokens: int = 0  # prompt tokens the worker took from its prefix cache
     stop_sequence: str | None = None  # the stop string that ended the text, if one did
+    stop_token: int | None = None     # the request's stop token id that ended it, if one did
 
     @property
     def text(self) -> str:
         return "".join(self.pieces)
+
+    @property
+    def stop_reason(self) -> str | int | None:
+        """vLLM's: the stop string or the request's stop token id that ended the choice; None
+        for the model's own end, a length cut, or a choice still running."""
+        return self.stop_sequence if self.stop_sequence is not None else self.stop_token
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -179,6 +186,8 @@ class Renderer:
             state.cached_tokens = ev.cached_tokens
         if ev.stop_sequence is not None:
             state.stop_sequence = ev.stop_sequence
+        if ev.stop_token is not None:
+            state.stop_token = ev.stop_token
         return state
 
 
@@ -205,13 +214,15 @@ class ChatRenderer(Renderer):
         entries = [{"index": ev.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
         if entries:  # the batch's logprobs and the finish go with its last chunk
             entries[-1].update(logprobs=self._logprobs(lps), finish_reason=ev.finish_reason)
-            if ev.finish_reason is not None and state.invalid:  # reported once, beside the finish
-                entries[-1]["invalid_tool_calls"] = state.invalid
+            if ev.finish_reason is not None:
+                entries[-1]["stop_reason"] = state.stop_reason
+                if state.invalid:  # reported once, beside the finish
+                    entries[-1]["invalid_tool_calls"] = state.invalid
         return [self.chunk([e]) for e in entries]
 
     def response(self) -> dict[str, Any]:
         choices = [{"index": i, "message": _message(c), "logprobs": self._logprobs(c.logprobs),
-                    "finish_reason": c.finish_reason}
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                    for i, c in enumerate(self.choices)]
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(), **self.fingerprint()}
@@ -435,8 +446,10 @@ class CompletionRenderer(Renderer):
         state.offset = start + sum(len(token_text(self.tokenizer, lp.token_id)) for lp in lps)
         if not text and not lps and ev.finish_reason is None:
             return out
-        return out + [self.chunk([{"index": ev.index, "text": text, "logprobs": formatted,
-                                   "finish_reason": ev.finish_reason}])]
+        entry = {"index": ev.index, "text": text, "logprobs": formatted, "finish_reason": ev.finish_reason}
+        if ev.finish_reason is not None:
+            entry["stop_reason"] = state.stop_reason
+        return out + [self.chunk([entry])]
 
     def response(self) -> dict[str, Any]:
         choices = []
@@ -447,7 +460,7 @@ class CompletionRenderer(Renderer):
                 prompt = self._prompt_logprobs(i)
                 logprobs = {k: prompt[k] + logprobs[k] for k in prompt}
             choices.append({"index": i, "text": prefix + c.text, "logprobs": logprobs,
-                            "finish_reason": c.finish_reason})
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
 

@@ -200,6 +200,10 @@ async def create_message(s: Serving, req: MessagesRequest, call: Call) -> Respon
 async def _constraint(s: Serving, req: GenerationFields, policy: ToolPolicy | None) -> tuple[GrammarSpec, str] | None:
     """The request's output constraint, compiled (cached) off the loop; 400 when it cannot be."""
     constraint = output_constraint(req, policy, s.output.profile)
+    if constraint is not None and req.allowed_token_ids is not None:
+        # the grammar's tokens and the allowed ones may have nothing in common
+        raise invalid("allowed_token_ids cannot be combined with a structured output or a required tool call",
+                      "allowed_token_ids")
     if constraint is not None:
         await check_constraint(router_grammars(s.tokenizer, s.metrics), *constraint)
     return constraint
@@ -269,6 +273,9 @@ def sampling_params(req: GenerationFields, max_tokens: int, logprobs: int | None
     stop_ids = list(req.stop_token_ids or [])
     if any(not 0 <= t < vocab_size for t in stop_ids):
         raise invalid(f"stop_token_ids must be in [0, {vocab_size})", "stop_token_ids")
+    allowed = req.allowed_token_ids
+    if allowed is not None and any(not 0 <= t < vocab_size for t in allowed):
+        raise invalid(f"allowed_token_ids must be in [0, {vocab_size})", "allowed_token_ids")
     # a nucleus of mass 0 holds only the most likely token; a temperature under SAMPLING_EPS
     # (1e-300 is schema-valid) would overflow the logits' division: both are greedy, as in vLLM
     greedy = req.top_p == 0 or (req.temperature is not None and req.temperature < SAMPLING_EPS)
@@ -281,6 +288,7 @@ def sampling_params(req: GenerationFields, max_tokens: int, logprobs: int | None
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=bias,
+        allowed_token_ids=None if allowed is None else sorted(set(allowed)),
         seed=None if req.seed is None else req.seed % SEED_MODULUS,
         max_tokens=max_tokens,
         min_tokens=req.min_tokens,

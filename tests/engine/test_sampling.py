@@ -155,6 +155,20 @@ def test_logit_bias_and_penalties():
     assert tok == 3  # 1 - 0.25 still beats 0.5
 
 
+def test_allowed_token_ids_are_all_that_is_sampled():
+    logits = torch.zeros(1, 10)
+    logits[0, 3], logits[0, 6] = 5.0, 1.0
+    (tok, lp), = sample(logits, [seq_with(SamplingParams(temperature=0, allowed_token_ids=[2, 6], logprobs=1))])
+    assert tok == 6 and lp.top == [(6, lp.logprob)]  # the best allowed one; the rest have no mass
+    drawn = {sample(logits, [seq_with(SamplingParams(temperature=2.0, seed=s, allowed_token_ids=[2, 6, 8]))])[0][0]
+             for s in range(64)}
+    assert drawn == {2, 6, 8}
+    # min_tokens bans the end, but the end is all that is allowed: it wins, as it does for a grammar
+    only_end = SamplingParams(temperature=0, allowed_token_ids=[0], min_tokens=3)
+    (tok, _), = sample(logits, [seq_with(only_end)])
+    assert tok == 0
+
+
 def test_logprobs_top_n():
     logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]]))
     (tok, lp), = sample(logits, [seq_with(SamplingParams(temperature=0, logprobs=2))])

@@ -83,6 +83,11 @@ def bad_input_cases(max_body: int) -> list[Case]:
         Case("presence_penalty_out_of_range", CHAT, body=chat(presence_penalty=5), param="presence_penalty"),
         Case("logit_bias_bad_key", CHAT, body=chat(logit_bias={"abc": 1}), param="logit_bias"),
         Case("logit_bias_unknown_token", CHAT, body=chat(logit_bias={"999999": 1}), param="logit_bias"),
+        Case("allowed_token_ids_empty", CHAT, body=chat(allowed_token_ids=[]), param="allowed_token_ids"),
+        Case("allowed_token_ids_unknown_token", COMPLETIONS, body=completion(allowed_token_ids=[5, 999999]),
+             param="allowed_token_ids"),
+        Case("allowed_token_ids_with_a_schema", CHAT, body=chat(allowed_token_ids=[5], response_format={
+            "type": "json_object"}), param="allowed_token_ids"),
         Case("top_logprobs_without_logprobs", CHAT, body=chat(top_logprobs=3)),
         Case("top_logprobs_too_many", CHAT, body=chat(logprobs=True, top_logprobs=50), param="top_logprobs"),
         Case("stream_options_without_stream", CHAT, body=chat(stream_options={"include_usage": True})),

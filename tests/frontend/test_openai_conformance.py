@@ -135,6 +135,37 @@ def test_include_stop_str_in_output_ends_the_text_with_the_stop_string(client):
             assert streamed == expected
 
 
+def test_allowed_token_ids_and_the_stop_reason_as_vllm_has_them(client, tokenizer):
+    """Only the allowed tokens are sampled (n choices at a high temperature); `stop_reason` names
+    the stop string or the request's stop token that ended a choice, and is null for a length
+    cut, streamed or not."""
+    words = [tokenizer.encode(w) for w in (" yes", " no", " maybe")]
+    assert all(len(ids) == 1 for ids in words)
+    allowed = [ids[0] for ids in words]
+    r = client.completions.create(model=MODEL, prompt="Is the sky blue?", max_tokens=6, temperature=1.5, n=4,
+                                  seed=5, logprobs=0, extra_body={"allowed_token_ids": allowed})
+    texts = {tokenizer.decode([t]) for t in allowed}
+    assert all(set(c.logprobs.tokens) <= texts and len(c.logprobs.tokens) == 6 for c in r.choices)
+    assert len({c.text for c in r.choices}) > 1  # they were drawn, not all the same argmax
+    assert all(c.stop_reason is None for c in r.choices)  # cut by max_tokens
+
+    # a token and a string from the middle of greedy answers end them
+    full = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0)
+    ids = tokenizer.encode(full.choices[0].text)
+    stop_id = ids[len(ids) // 2]
+    answer = client.chat.completions.create(model=MODEL, messages=messages("List three colors."), max_tokens=24,
+                                            temperature=0).choices[0].message.content
+    stop = answer[len(answer) // 2:len(answer) // 2 + 3]
+    for stream in (False, True):
+        by_token = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0,
+                                             stream=stream, extra_body={"stop_token_ids": [stop_id]})
+        by_string = client.chat.completions.create(model=MODEL, messages=messages("List three colors."),
+                                                   max_tokens=24, temperature=0, stop=[stop], stream=stream)
+        last = [list(by_token)[-1], list(by_string)[-1]] if stream else [by_token, by_string]
+        assert [(c.choices[0].finish_reason, c.choices[0].stop_reason) for c in last] == [
+            ("stop", stop_id), ("stop", stop)]
+
+
 def test_echo_prints_the_prompt_first(client):
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, echo=True)
     assert r.choices[0].text.startswith("Once upon a time")

@@ -436,10 +436,23 @@ def test_chat_stream_opens_with_the_role_and_ends_with_usage(tokenizer):
     assert [c["choices"][0]["delta"] for c in opening] == [{"role": "assistant", "content": ""}] * 2
     [chunk] = r.absorb(_event(1, "Hi", [5], "stop"))
     assert chunk["choices"] == [{"index": 1, "delta": {"content": "Hi"}, "logprobs": None,
-                                 "finish_reason": "stop"}]
+                                 "finish_reason": "stop", "stop_reason": None}]
     assert chunk["usage"] is None and chunk["object"] == "chat.completion.chunk"
     assert r.usage_chunk()["choices"] == [] and r.usage_chunk()["usage"]["total_tokens"] == 11
     assert r.absorb(_event(0, "", [])) == []
+
+
+def test_the_stop_reason_names_the_stop_string_or_the_stop_token_as_vllm_does(tokenizer):
+    import dataclasses
+
+    chat = ChatRenderer("chatcmpl-x", "m", 3, 10, tokenizer)
+    text = CompletionRenderer("cmpl-x", "m", 3, 10, tokenizer)
+    ends = [dataclasses.replace(_event(0, "a", [5], "stop"), stop_sequence="END"),
+            dataclasses.replace(_event(1, "b", [7], "stop"), stop_token=7),
+            _event(2, "c", [9], "length")]
+    streamed = [[r.absorb(ev)[-1]["choices"][0]["stop_reason"] for ev in ends] for r in (chat, text)]
+    answered = [[c["stop_reason"] for c in r.response()["choices"]] for r in (chat, text)]
+    assert streamed == answered == [["END", 7, None]] * 2
 
 
 def test_completion_logprobs_have_tokens_and_offsets(tokenizer):
