@@ -75,6 +75,41 @@ class PromptBuilder:
         size = sum(len(m.text()) for m in req.messages) + (len(json.dumps(tools)) if tools else 0)
         return await self._run(size, lambda: self._render(req, tools, style))
 
+    async def chat_within(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None,
+                          style: PromptStyle, max_len: int, room: int) -> tuple[ChatCompletionRequest, Prompt]:
+        """The request with as few of its earliest turns dropped as lets its prompt leave `room`
+        tokens of `max_len` (the Responses API's `truncation: "auto"`), and that prompt. A turn
+        runs from a user message to the next one, so a call and its result go together; the
+        system messages before the first turn stay. 400 when the last turn alone does not fit."""
+        messages = list(req.messages)
+        head = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
+        turns = [i for i in range(head, len(messages)) if messages[i].role == "user"] or [head]
+        if turns[0] != head:  # what comes before the first user message belongs to its turn
+            turns[0] = head
+
+        def without(k: int) -> ChatCompletionRequest:  # the first k turns dropped
+            return req.model_copy(update={"messages": messages[:head] + messages[turns[k]:]})
+
+        def search() -> tuple[int, Prompt]:
+            lo, hi, best = 0, len(turns) - 1, None  # the fewest turns dropped that fit
+            while lo <= hi:
+                k = (lo + hi) // 2
+                prompt = self._render(without(k), tools, style)
+                if len(prompt.ids) + room <= max_len:
+                    best, hi = (k, prompt), k - 1
+                else:
+                    lo = k + 1
+            if best is None:
+                prompt = self._render(without(len(turns) - 1), tools, style)
+                raise context_too_long(max_len, len(prompt.ids), room, "messages")
+            return best
+
+        size = sum(len(m.text()) for m in messages) + (len(json.dumps(tools)) if tools else 0)
+        dropped, prompt = await self._run(size, search)
+        if dropped:
+            logger.info("truncation: the first %d of %d turns dropped to fit %d tokens", dropped, len(turns), max_len)
+        return without(dropped), prompt
+
     def _check_size(self, text: str, max_len: int | None, param: str) -> None:
         """400 without tokenizing when the text's bytes prove it has at least max_len tokens (a
         6 MB body would otherwise cost seconds of tokenizer time for a certain refusal)."""

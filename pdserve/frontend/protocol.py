@@ -354,7 +354,7 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None  # None or true: kept for previous_response_id (response_store.py)
     metadata: dict[str, str] | None = None
     user: str | None = None
-    truncation: Literal["disabled"] | None = None  # "auto" would drop input items: not done
+    truncation: Literal["disabled", "auto"] | None = None  # auto: the earliest turns go when it does not fit
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
@@ -362,7 +362,7 @@ class ResponsesRequest(BaseModel):
     top_logprobs: int | None = None
 
     @model_validator(mode="after")
-    def _stateless(self) -> ResponsesRequest:
+    def _supported(self) -> ResponsesRequest:
         if self.conversation is not None:
             raise ValueError("conversations are not supported: send the whole conversation in input, or "
                              "continue a stored response with previous_response_id")

@@ -136,14 +136,19 @@ class Serving:
 
 
 async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: Call,
-                                 make_renderer: Callable[[str, int], Renderer] | None = None) -> Response:
+                                 make_renderer: Callable[[str, int], Renderer] | None = None,
+                                 truncate: bool = False) -> Response:
     """A chat completion; `make_renderer(model, prompt_tokens)` answers it in another format
-    (the Responses API) instead."""
+    (the Responses API) instead; `truncate` drops the earliest turns that do not fit."""
     model = s.check_model(req.model)
     policy = ToolPolicy.of(req)
     constraint = await _constraint(s, req, policy)
     max_len = s.max_model_len
-    prompt = await s.prompts.chat(req, policy.prompt_tools, s.output.prompt_style, max_len)
+    if truncate:
+        req, prompt = await s.prompts.chat_within(req, policy.prompt_tools, s.output.prompt_style,
+                                                  min(max_len, s.kv_tokens or max_len), req.output_limit or 1)
+    else:
+        prompt = await s.prompts.chat(req, policy.prompt_tools, s.output.prompt_style, max_len)
     max_tokens = resolve_max_tokens(req.output_limit, len(prompt.ids), max_len, "messages")
     s.check_fits(len(prompt.ids), "messages")
     params = sampling_params(req, max_tokens, req.top_n, s.tokenizer.vocab_size)
@@ -176,7 +181,8 @@ async def create_response(s: Serving, req: ResponsesRequest, call: Call) -> Resp
         return await create_chat_completion(
             s, chat_request(req, before), call,
             lambda model, prompt_tokens: ResponsesRenderer(response_id, model, prompt_tokens, s.tokenizer, req,
-                                                           before, store))
+                                                           before, store),
+            truncate=req.truncation == "auto")
     except APIError as e:
         if e.param == "messages":  # what the client sent as `input`
             e.param = "input"

@@ -226,7 +226,7 @@ class ResponsesRenderer(ItemRenderer):
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "tools": req.tools or [],
             "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
-            "text": req.text or {"format": {"type": "text"}}, "truncation": "disabled",
+            "text": req.text or {"format": {"type": "text"}}, "truncation": req.truncation or "disabled",
             "store": self.store is not None, "previous_response_id": req.previous_response_id,
             "metadata": req.metadata or {}, "user": req.user,
             "usage": None if self.status == "in_progress" else {

@@ -7,7 +7,7 @@ import pytest
 from pdserve.frontend.choices import Batch, ChoiceEvent
 from pdserve.frontend.errors import APIError
 from pdserve.frontend.output import OutputDelta
-from pdserve.frontend.protocol import ResponsesRequest
+from pdserve.frontend.protocol import ChatCompletionRequest, ResponsesRequest
 from pdserve.frontend.response_store import ResponseStore
 from pdserve.frontend.responses import ResponsesRenderer, chat_request, history
 from pdserve.parsers import ContentDelta, InvalidCall, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
@@ -221,3 +221,37 @@ def test_an_unknown_previous_response_is_a_400_naming_the_field(capacity, code):
     with pytest.raises(APIError) as e:
         history(ResponseStore(capacity), req)
     assert (e.value.status, e.value.param, e.value.code) == (400, "previous_response_id", code)
+
+
+# ---- truncation "auto" (prompts.chat_within) ------------------------------------------------------
+
+
+def test_truncation_drops_the_earliest_whole_turns_that_do_not_fit(tokenizer):
+    import asyncio
+
+    from pdserve.frontend.prompts import PromptBuilder, PromptStyle
+
+    builder = PromptBuilder(tokenizer)
+    turn = lambda i: [  # noqa: E731 - one turn: a question, a call, its result, the answer
+        {"role": "user", "content": f"Question {i}: " + "word " * 40},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": f"c{i}", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": f"c{i}", "content": f"result {i}"},
+        {"role": "assistant", "content": f"Answer {i}."}]
+    system = [{"role": "system", "content": "Be brief."}]
+    req = ChatCompletionRequest.model_validate({"messages": system + [m for i in range(5) for m in turn(i)]})
+
+    def length(messages) -> int:
+        r = ChatCompletionRequest.model_validate({"messages": messages})
+        return len(asyncio.run(builder.chat(r, None, PromptStyle.TEMPLATE)).ids)
+
+    last_two = length(system + turn(3) + turn(4))
+    fitted, prompt = asyncio.run(builder.chat_within(req, None, PromptStyle.TEMPLATE, last_two + 10, 10))
+    kept = ChatCompletionRequest.model_validate({"messages": system + turn(3) + turn(4)})
+    assert fitted.messages == kept.messages
+    assert len(prompt.ids) == last_two
+    whole, _ = asyncio.run(builder.chat_within(req, None, PromptStyle.TEMPLATE, 100_000, 10))
+    assert whole.messages == req.messages  # it fits: nothing dropped
+    with pytest.raises(APIError) as e:  # not even the last turn fits
+        asyncio.run(builder.chat_within(req, None, PromptStyle.TEMPLATE, length(system + turn(4)) + 9, 10))
+    assert (e.value.status, e.value.code) == (400, "context_length_exceeded")

@@ -159,3 +159,17 @@ def test_a_continued_response_is_the_response_to_the_whole_conversation(client):
     third = client.responses.create(model=MODEL, previous_response_id=second.id, input="Thanks.",
                                     max_output_tokens=4, temperature=0)
     assert third.usage.input_tokens > second.usage.input_tokens
+
+
+def test_truncation_auto_drops_the_earliest_turns_that_do_not_fit(client, pd_server):
+    filler = "word " * 3000  # ≈ 3,000 tokens: three such turns are over the 8,192-token context
+    turns = [m for i in range(3) for m in ({"role": "user", "content": f"Part {i}. {filler}"},
+                                           {"role": "assistant", "content": f"Noted {i}."})]
+    turns.append({"role": "user", "content": "Say hi."})
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model=MODEL, input=turns, max_output_tokens=8)
+    assert e.value.code == "context_length_exceeded"
+    r = client.responses.create(model=MODEL, input=turns, max_output_tokens=8, temperature=0, truncation="auto")
+    kept = httpx.post(f"{pd_server.url}/tokenize", json={"model": MODEL, "messages": turns[2:]}, timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert r.truncation == "auto" and r.usage.input_tokens == kept["count"]  # the first turn went, whole
