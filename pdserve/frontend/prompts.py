@@ -83,9 +83,8 @@ class PromptBuilder:
         system messages before the first turn stay. 400 when the last turn alone does not fit."""
         messages = list(req.messages)
         head = next((i for i, m in enumerate(messages) if m.role not in ("system", "developer")), len(messages))
-        turns = [i for i in range(head, len(messages)) if messages[i].role == "user"] or [head]
-        if turns[0] != head:  # what comes before the first user message belongs to its turn
-            turns[0] = head
+        # where each turn starts (what precedes the first user message belongs to its turn)
+        turns = [head] + [i for i in range(head + 1, len(messages)) if messages[i].role == "user"]
 
         def without(k: int) -> ChatCompletionRequest:  # the first k turns dropped
             return req.model_copy(update={"messages": messages[:head] + messages[turns[k]:]})
