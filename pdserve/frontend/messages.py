@@ -7,7 +7,9 @@ assistant message's `tool_use` blocks its tool calls (`input` as JSON arguments)
 (`input_schema`) function tools; `tool_choice` `auto`/`any`/`tool`/`none` the chat choices
 (`disable_parallel_tool_use` turns parallel calls off); `stop_sequences` stop strings;
 `output_config.format` (a JSON schema) the structured output. Earlier
-`thinking` blocks are left out, as chat templates leave past reasoning out. A final assistant
+`thinking` blocks are left out, as chat templates leave past reasoning out. `thinking` turns the
+template's reasoning switch on or off (`chat_template_kwargs` `thinking` and `enable_thinking`),
+and `output_config.effort` is chat's `reasoning_effort`. A final assistant
 message of text is a prefill, as Anthropic's: the model continues it (chat's
 `continue_final_message`), and the answer holds only what follows. From there it takes the chat
 path unchanged: the model's template, the token-ID parser, the workers.
@@ -67,14 +69,29 @@ def chat_request(req: MessagesRequest, stream: bool | None = None) -> ChatComple
         "parallel_tool_calls": False if choice.get("disable_parallel_tool_use") else None,
         "response_format": _response_format(req.output_config),
         "continue_final_message": prefill or None, "add_generation_prompt": not prefill,
+        "chat_template_kwargs": _thinking(req.thinking),
+        "reasoning_effort": (req.output_config or {}).get("effort"),
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as e:
         message, param = validation_message(e.errors(include_url=False))
-        if param == "stop":  # the chat field the client sent as stop_sequences
-            message, param = "stop_sequences" + message.removeprefix("stop"), "stop_sequences"
+        for chat_name, name in (("stop", "stop_sequences"), ("reasoning_effort", "output_config.effort")):
+            if param == chat_name:  # the chat field the client sent under its Anthropic name
+                message, param = name + message.removeprefix(chat_name), name
         raise invalid(message, param) from None
+
+
+def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`thinking` as the templates' switch: DeepSeek's `thinking`, Qwen's `enable_thinking`
+    (None: the template's default)."""
+    kind = (thinking or {}).get("type")
+    if kind is None:
+        return None
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise invalid(f"thinking.type must be 'enabled', 'adaptive' or 'disabled', got {kind!r}", "thinking.type")
+    on = kind != "disabled"
+    return {"thinking": on, "enable_thinking": on}
 
 
 def _add_message(messages: list[dict[str, Any]], message: dict[str, Any], where: str) -> None:

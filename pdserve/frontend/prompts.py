@@ -143,6 +143,8 @@ class PromptBuilder:
         dsv3 = style in (PromptStyle.DSV3, PromptStyle.DSV31)
         messages = [_message_dict(m, keep_null=dsv3) for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
         if dsv3:
             text = self._dsv3_template(req, messages, tools, kwargs, fenced=style is PromptStyle.DSV3)
         elif style is PromptStyle.TEMPLATE:

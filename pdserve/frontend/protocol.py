@@ -241,6 +241,8 @@ class ChatCompletionRequest(GenerationFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's, and DeepSeek's "max": the template's `reasoning_effort` unless chat_template_kwargs set it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
     @field_validator("tools")
     @classmethod
@@ -303,6 +305,7 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
     return_token_strs: bool = False
 
     @model_validator(mode="after")
@@ -350,7 +353,7 @@ class ResponsesRequest(BaseModel):
     tool_choice: ToolChoiceName | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
     text: dict[str, Any] | None = None  # {"format": {"type": "text" | "json_object" | "json_schema", …}}
-    reasoning: dict[str, Any] | None = None  # accepted; the model reasons as its template says
+    reasoning: dict[str, Any] | None = None  # its `effort` is chat's reasoning_effort; the rest changes nothing
     stream: bool = False
     store: bool | None = None  # None or true: kept for previous_response_id (response_store.py)
     metadata: dict[str, str] | None = None
@@ -384,9 +387,9 @@ class ResponsesRequest(BaseModel):
 
 class MessagesRequest(BaseModel):
     """POST /v1/messages: Anthropic's Messages API. The blocks and tools are checked and turned
-    into a chat request in ``messages``; `thinking`, `metadata`, `output_config.effort` and
-    cache-control marks are accepted and change nothing (the model reasons as its template says;
-    the prefix cache needs no marks). The current `anthropic` SDK sends `temperature`, `top_p`
+    into a chat request in ``messages``; `thinking` switches the template's reasoning on or off and
+    `output_config.effort` is its reasoning effort; `metadata` and cache-control marks are accepted
+    and change nothing (the prefix cache needs no marks). The current `anthropic` SDK sends `temperature`, `top_p`
     and `top_k` only in `extra_body`."""
 
     model_config = ConfigDict(extra="ignore")

@@ -80,12 +80,15 @@ def chat_request(req: ResponsesRequest, before: tuple[dict[str, Any], ...] = ())
         "tools": [_chat_tool(t, f"tools[{i}]") for i, t in enumerate(req.tools)] if req.tools else None,
         "tool_choice": _chat_tool_choice(req.tool_choice),
         "response_format": _response_format(req.text),
+        "reasoning_effort": (req.reasoning or {}).get("effort"),
     }
     try:
         return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
     except ValidationError as e:
-        message, _ = validation_message(e.errors(include_url=False))
-        raise invalid(message) from None
+        message, param = validation_message(e.errors(include_url=False))
+        if param == "reasoning_effort":
+            message, param = "reasoning.effort" + message.removeprefix("reasoning_effort"), "reasoning.effort"
+        raise invalid(message, param if param == "reasoning.effort" else None) from None
 
 
 def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:

@@ -33,7 +33,7 @@ async def tokenize(s: Serving, req: TokenizeRequest) -> dict[str, Any]:
             chat = ChatCompletionRequest.model_validate({
                 "messages": req.messages, "tools": req.tools, "add_generation_prompt": req.add_generation_prompt,
                 "continue_final_message": req.continue_final_message,
-                "chat_template_kwargs": req.chat_template_kwargs})
+                "chat_template_kwargs": req.chat_template_kwargs, "reasoning_effort": req.reasoning_effort})
         except ValidationError as e:
             raise invalid(*validation_message(e.errors(include_url=False))) from None
         prompt = await s.prompts.chat(chat, ToolPolicy.of(chat).prompt_tools, s.output.prompt_style)

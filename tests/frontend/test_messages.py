@@ -55,6 +55,18 @@ def test_blocks_become_the_chat_messages_of_one_conversation():
     assert (chat.continue_final_message, chat.add_generation_prompt) == (False, True)
 
 
+@pytest.mark.parametrize("fields, kwargs, effort", [
+    ({}, None, None),
+    ({"thinking": {"type": "enabled", "budget_tokens": 1024}}, {"thinking": True, "enable_thinking": True}, None),
+    ({"thinking": {"type": "disabled"}, "output_config": {"effort": "max"}},
+     {"thinking": False, "enable_thinking": False}, "max"),
+])
+def test_thinking_and_effort_become_the_templates_switch_and_reasoning_effort(fields, kwargs, effort):
+    chat = chat_request(MessagesRequest.model_validate({"max_tokens": 9, "messages": [
+        {"role": "user", "content": "Hi"}], **fields}))
+    assert (chat.chat_template_kwargs, chat.reasoning_effort) == (kwargs, effort)
+
+
 def test_a_final_assistant_text_is_a_prefill_the_model_continues():
     def chat_of(*messages):
         return chat_request(MessagesRequest.model_validate({"max_tokens": 9, "messages": list(messages)}))
@@ -86,6 +98,8 @@ def test_a_final_assistant_text_is_a_prefill_the_model_continues():
      "tool_choice"),
     ({"messages": [{"role": "user", "content": "x"}], "stop_sequences": [f"s{i}" for i in range(17)]},
      "stop_sequences"),
+    ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "sometimes"}}, "thinking.type"),
+    ({"messages": [{"role": "user", "content": "x"}], "output_config": {"effort": "extreme"}}, "output_config.effort"),
 ])
 def test_what_cannot_be_expressed_is_refused_with_its_field(body, param):
     with pytest.raises(APIError) as e:

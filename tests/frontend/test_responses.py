@@ -48,6 +48,8 @@ def test_items_become_the_chat_messages_of_one_conversation():
                                                            ("name", "description", "parameters", "strict")}}]
     assert chat.tool_choice == {"type": "function", "function": {"name": "get_weather"}}
     assert (chat.output_limit, chat.temperature, chat.seed, chat.n) == (30, 0.5, 7, 1)
+    effort = chat_request(ResponsesRequest.model_validate({"input": "x", "reasoning": {"effort": "high"}}))
+    assert (chat.reasoning_effort, effort.reasoning_effort) == (None, "high")
 
 
 def test_text_format_becomes_the_response_format():
@@ -67,6 +69,7 @@ def test_text_format_becomes_the_response_format():
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input[0].output"),
     ({"input": "x", "tools": [{"type": "file_search"}]}, "tools[0]"),
     ({"input": "x", "text": {"format": "json"}}, "text.format"),
+    ({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
 ])
 def test_what_cannot_be_expressed_is_refused_with_its_field(body, param):
     with pytest.raises(APIError) as e:

@@ -217,6 +217,19 @@ def test_deepseek_thinking_comes_from_chat_template_kwargs(models: Callable[[str
                          continue_final_message=True, add_generation_prompt=False))
 
 
+def test_reasoning_effort_reaches_the_deepseek_v4_prompt(models: Callable[[str], Model]) -> None:
+    m = models("v4")
+    thinking = {"thinking": True}
+    top = m.prompt(request(chat_template_kwargs=thinking, reasoning_effort="max")).text
+    assert top == m.prompt(request(chat_template_kwargs={**thinking, "reasoning_effort": "max"})).text
+    assert top != m.prompt(request(chat_template_kwargs=thinking)).text  # max adds its preamble
+    # chat_template_kwargs win over the top-level field; "none" is the default effort
+    assert m.prompt(request(chat_template_kwargs={**thinking, "reasoning_effort": "high"},
+                            reasoning_effort="max")).text == m.prompt(request(chat_template_kwargs=thinking)).text
+    assert m.prompt(request(chat_template_kwargs=thinking, reasoning_effort="none")).text == m.prompt(
+        request(chat_template_kwargs=thinking)).text
+
+
 def test_arguments_that_are_not_a_json_object_are_a_400(model: Model) -> None:
     bad = {**DSML_CALL, "function": {"name": "get_weather", "arguments": "[1, 2]"}}
     with pytest.raises(APIError) as e:

@@ -27,7 +27,7 @@ EFFORT_MAX_PREAMBLE = (
     "alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
 )
 # OpenAI effort names -> the two levels V4 knows (DeepSeek's API maps low/medium to high).
-_EFFORTS = {None: None, "minimal": "high", "low": "high", "medium": "high", "high": "high",
+_EFFORTS = {None: None, "none": None, "minimal": "high", "low": "high", "medium": "high", "high": "high",
             "xhigh": "max", "max": "max"}
 
 
