@@ -12,8 +12,9 @@ function call that was not a valid call is never part of the conversation.
 The store is the router process's memory: bounded by `capacity` responses and by `max_bytes` of
 their own items (JSON-encoded), least recently used forgotten first, and lost on restart. A
 conversation's earlier items are counted with the response that brought them; once that one is
-forgotten, a later response still holds them, at most one context's worth. With several routers behind one Service, a continuation
-finds its response only on the router that answered it (the README's Responses API).
+forgotten, a later response still holds them, at most one context's worth. With several
+routers behind one Service, a continuation finds its response only on the router that answered
+it (the README's Responses API).
 """
 from __future__ import annotations
 
