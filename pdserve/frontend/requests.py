@@ -45,7 +45,7 @@ from pdserve.frontend.render import DONE, ChatRenderer, CompletionRenderer, SSER
 from pdserve.frontend.messages import MessagesRenderer
 from pdserve.frontend.messages import chat_request as messages_chat_request
 from pdserve.frontend.response_store import ResponseStore, StoredResponse
-from pdserve.frontend.responses import ResponsesRenderer, chat_request, history
+from pdserve.frontend.responses import ResponsesRenderer, chat_request, history, resolve_references
 from pdserve.frontend.tools import (ToolPolicy, check_constraint, for_prompt, json_calls, output_constraint,
                                     router_grammars)
 from pdserve.frontend.workers import WorkerPool
@@ -172,6 +172,7 @@ async def create_response(s: Serving, req: ResponsesRequest, call: Call) -> Resp
     """/v1/responses: the chat path, answered as a Response (responses.py); kept in the store
     unless the request says `store: false` (response_store.py)."""
     before = history(s.responses, req)
+    req = resolve_references(s.responses, req, before)
     store = s.responses if req.store is not False and s.responses.enabled else None
     # a stored response's id must not repeat: a fresh one, not the client's X-Request-Id
     response_id = f"resp_{uuid.uuid4().hex}"

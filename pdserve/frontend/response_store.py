@@ -7,7 +7,10 @@ it ended: the items before it (its previous response's conversation), its own in
 its output items. A later request naming it as `previous_response_id` is answered as if it had
 sent that conversation followed by its own input (its `instructions` replace the earlier ones,
 as OpenAI's do). Reasoning items travel along and are left out of the prompt as always; a
-function call that was not a valid call is never part of the conversation.
+function call that was not a valid call is never part of the conversation. The items a stored
+response brought (its output items, and its input items that came with an id) can also be named
+in a later input as `{"type": "item_reference", "id": …}`, which clients that store send instead
+of the item (the AI SDK does).
 
 The store is the router process's memory: bounded by `capacity` responses and by `max_bytes` of
 their own items (JSON-encoded), least recently used forgotten first, and lost on restart. A
@@ -33,6 +36,7 @@ class StoredResponse:
 
     response: dict[str, Any]            # the Response object as last sent
     conversation: tuple[dict[str, Any], ...]  # every item so far, its output included
+    own: int                            # where its own items start (those before came earlier)
     size: int                           # bytes of its own items and of the response, as JSON
 
 
@@ -48,6 +52,7 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._items: dict[str, dict[str, Any]] = {}  # item id → the item, while its response is kept
 
     @property
     def enabled(self) -> bool:
@@ -62,6 +67,10 @@ class ResponseStore:
             self._responses.move_to_end(response_id)
         return stored
 
+    def item(self, item_id: str) -> dict[str, Any] | None:
+        """An item a kept response brought, by its id."""
+        return self._items.get(item_id)
+
     def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], new: int = 0) -> None:
         """Keep `response` (copied: the caller's dict may change) and its conversation, whose
         items from `new` on are its own (those before came with an earlier response)."""
@@ -69,16 +78,29 @@ class ResponseStore:
             return
         size = len(json.dumps([response, conversation[new:]], ensure_ascii=False))
         self.delete(response["id"])
-        self._responses[response["id"]] = StoredResponse(copy.deepcopy(response), tuple(conversation), size)
+        stored = StoredResponse(copy.deepcopy(response), tuple(conversation), new, size)
+        self._responses[response["id"]] = stored
         self.bytes += size
+        for item in _own_items(stored):
+            self._items[item["id"]] = item
         while len(self._responses) > self.capacity or (self.bytes > self.max_bytes and len(self._responses) > 1):
-            _, old = self._responses.popitem(last=False)
-            self.bytes -= old.size
+            self._forget(self._responses.popitem(last=False)[1])
 
     def delete(self, response_id: str) -> bool:
         """Forget one; False when it is not here."""
         stored = self._responses.pop(response_id, None)
         if stored is None:
             return False
-        self.bytes -= stored.size
+        self._forget(stored)
         return True
+
+    def _forget(self, stored: StoredResponse) -> None:
+        self.bytes -= stored.size
+        for item in _own_items(stored):
+            if self._items.get(item["id"]) is item:
+                del self._items[item["id"]]
+
+
+def _own_items(stored: StoredResponse) -> list[dict[str, Any]]:
+    """The items `stored` brought that have an id."""
+    return [item for item in stored.conversation[stored.own:] if isinstance(item.get("id"), str)]

@@ -19,8 +19,9 @@ run: one whose start was streamed ends with status "incomplete"; every such call
 the response's `invalid_tool_calls`, as chat completions list them.
 
 A stored response (`response_store.py`) can be continued: `previous_response_id` puts its
-conversation before the request's own input (`history`), and a response that ended well is
-stored with its conversation (`ResponsesRenderer.done`).
+conversation before the request's own input (`history`), an `item_reference` input item stands
+for a stored item (`resolve_references`), and a response that ended well is stored with its
+conversation (`ResponsesRenderer.done`).
 """
 from __future__ import annotations
 
@@ -58,6 +59,33 @@ def history(store: ResponseStore, req: ResponsesRequest) -> tuple[dict[str, Any]
         raise invalid(f"Previous response with id '{req.previous_response_id}' not found.", "previous_response_id",
                       "previous_response_not_found")
     return stored.conversation
+
+
+def resolve_references(store: ResponseStore, req: ResponsesRequest,
+                       before: tuple[dict[str, Any], ...]) -> ResponsesRequest:
+    """`req` with each `item_reference` input item replaced by the stored item it names; 400 for
+    an unknown id, and for an item the continued conversation holds already (as OpenAI's)."""
+    if isinstance(req.input, str):
+        return req
+    earlier = {item["id"] for item in before if isinstance(item.get("id"), str)}
+    items = []
+    for i, item in enumerate(req.input):
+        if isinstance(item, dict) and item.get("type") == "item_reference":
+            ref = item.get("id")
+            if not isinstance(ref, str):
+                raise invalid(f"input[{i}].id must be a string", f"input[{i}].id")
+            if not store.enabled:
+                raise invalid("This server stores no responses (--responses-store 0): send the item itself "
+                              "instead of an item_reference.", f"input[{i}]")
+            item = store.item(ref)
+            if item is None:
+                raise invalid(f"Item with id '{ref}' not found.", f"input[{i}].id")
+        if isinstance(item, dict) and item.get("id") in earlier:
+            raise invalid(f"Duplicate item found with id {item['id']}: the previous response's conversation "
+                          "holds it already. Remove duplicate items from your input and try again.",
+                          f"input[{i}]")
+        items.append(item)
+    return req.model_copy(update={"input": items})
 
 
 def input_items(req: ResponsesRequest) -> list[Any]:

@@ -115,8 +115,10 @@ def bad_input_cases(max_body: int) -> list[Case]:
              param="max_output_tokens"),
         Case("responses_image_part", RESPONSES, body=response(input=[{"role": "user", "content": [
             {"type": "input_image", "image_url": "http://x/y.png"}]}]), param="input[0].content[0]"),
-        Case("responses_unknown_item", RESPONSES, body=response(input=[{"type": "item_reference", "id": "msg_1"}]),
+        Case("responses_unknown_item_type", RESPONSES, body=response(input=[{"type": "computer_call", "id": "cu_1"}]),
              param="input[0].type"),
+        Case("responses_unknown_item_reference", RESPONSES,
+             body=response(input=[{"type": "item_reference", "id": "msg_1"}]), param="input[0].id"),
         Case("responses_call_without_call_id", RESPONSES, body=response(input=[
             {"type": "function_call", "name": "get_weather", "arguments": "{}"}]), param="input[0].call_id"),
         Case("responses_web_search_tool", RESPONSES, body=response(tools=[{"type": "web_search"}]),

@@ -9,7 +9,7 @@ from pdserve.frontend.errors import APIError
 from pdserve.frontend.output import OutputDelta
 from pdserve.frontend.protocol import ChatCompletionRequest, ResponsesRequest
 from pdserve.frontend.response_store import ResponseStore
-from pdserve.frontend.responses import ResponsesRenderer, chat_request, history
+from pdserve.frontend.responses import ResponsesRenderer, chat_request, history, resolve_references
 from pdserve.parsers import ContentDelta, InvalidCall, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
@@ -216,6 +216,30 @@ def test_the_store_keeps_to_its_bytes_counting_each_item_with_the_response_that_
     assert store.bytes == sum(store.get(rid).size for rid in "cde") <= 1000
     store.put({"id": "big"}, [{"content": "y" * 5000}])  # alone over the budget: kept, alone
     assert len(store) == 1 and store.bytes == store.get("big").size
+
+
+def test_an_item_reference_is_the_stored_item_it_names():
+    store = ResponseStore(4)
+    ended(store)
+    kept = store.get("resp_1").conversation
+    message, call = [item for item in kept if item["type"] in ("message", "function_call")][1:]  # its output
+    output = {"type": "function_call_output", "call_id": "call_a", "output": "sunny"}
+    body = {"input": [{"role": "user", "content": "Weather?"}, {"type": "item_reference", "id": message["id"]},
+                      {"type": "item_reference", "id": call["id"]}, output]}
+    resolved = resolve_references(store, ResponsesRequest.model_validate(body), ())
+    assert resolved.input == [body["input"][0], message, call, output]
+    # as a continuation of the same response they are duplicates, as OpenAI says
+    continued = ResponsesRequest.model_validate({"previous_response_id": "resp_1", "input": body["input"][1:]})
+    with pytest.raises(APIError) as e:
+        resolve_references(store, continued, history(store, continued))
+    assert (e.value.status, e.value.param) == (400, "input[0]") and "Duplicate" in e.value.message
+    references = ResponsesRequest.model_validate({"input": body["input"][1:]})
+    for capacity, param in ((4, "input[0].id"), (0, "input[0]")):  # unknown here; no store at all
+        with pytest.raises(APIError) as e:
+            resolve_references(ResponseStore(capacity), references, ())
+        assert (e.value.status, e.value.param) == (400, param)
+    store.delete("resp_1")  # its items go with it
+    assert store.item(message["id"]) is None and store.item(call["id"]) is None
 
 
 @pytest.mark.parametrize("capacity, code", [(0, None), (4, "previous_response_not_found")])

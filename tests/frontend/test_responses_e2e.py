@@ -3,7 +3,8 @@ chat completion of the same conversation (greedy, token for token, the same usag
 not; the SDK's stream helper, which checks every event against the items it opened, rebuilds the
 same response; a forced function call comes back as a `function_call` item, and sending it with
 its output continues the conversation exactly as the chat messages of that turn would, and so
-does continuing the stored response with `previous_response_id`; a JSON schema in `text.format`
+do continuing the stored response with `previous_response_id` and naming its calls by
+`item_reference`; a JSON schema in `text.format`
 holds; stored responses are retrieved, deleted, and never kept with `store: false`."""
 from __future__ import annotations
 
@@ -107,6 +108,11 @@ def test_a_function_call_and_its_output_continue_the_conversation_as_chat_does(c
                                         max_output_tokens=40, temperature=0)
     assert continued.previous_response_id == r.id
     assert (continued.usage.input_tokens, continued.output_text) == (after.usage.input_tokens, after.output_text)
+    # ... and with the calls named by reference, as the AI SDK sends stored items
+    referenced = client.responses.create(model=MODEL, input=[
+        {"role": "user", "content": QUESTION}, *[{"type": "item_reference", "id": o.id} for o in calls], *outputs],
+        tools=[STRICT_WEATHER], max_output_tokens=40, temperature=0)
+    assert (referenced.usage.input_tokens, referenced.output_text) == (after.usage.input_tokens, after.output_text)
 
     with client.responses.stream(model=MODEL, input=QUESTION, tools=[STRICT_WEATHER], tool_choice="required",
                                  max_output_tokens=60, temperature=0) as stream:
