@@ -292,6 +292,10 @@ class RouterMetrics(_Base):
         self.admission_rejections = self._counter(
             "admission_rejections", "Requests the admission refused (429, or 503 without workers), by reason.",
             "reason", ADMISSION_REJECTIONS)
+        self.responses_stored = self._gauge(
+            "responses_stored", "Responses API responses kept for previous_response_id.")
+        self.responses_stored_bytes = self._gauge(
+            "responses_stored_bytes", "What the kept responses' own items take, as JSON.")
         self.routing_decisions = self._counter(
             "routing_decisions", "Workers chosen for requests, by reason: the likely holder of the "
             "prompt's prefix, the least loaded instead of a too busy holder, or no holder.",
@@ -325,6 +329,11 @@ class RouterMetrics(_Base):
                                                           ADMISSION_REJECTIONS)
         admission.routing.on_decision = lambda why: self._inc(self.routing_decisions, "reason", why,
                                                               ROUTING_REASONS)
+
+    def watch_responses(self, store) -> None:
+        """Read the size of `store` (a frontend.response_store.ResponseStore) at each scrape."""
+        self.responses_stored.set_function(lambda: len(store))
+        self.responses_stored_bytes.set_function(lambda: store.bytes)
 
     def parser_diagnostic(self, kind: str) -> None:
         """`kind` is a parser `Diag` value (a fixed enum, so the label set stays bounded)."""

@@ -72,6 +72,7 @@ class Router:
         self.serving = Serving(config, tokenizer, PromptBuilder(tokenizer, config.inline_tokenize_chars), output,
                                self.pool, services, self.metrics, self.calls, _model_context(config),
                                self.admission, ResponseStore(config.responses_store))
+        self.metrics.watch_responses(self.serving.responses)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._background: list[asyncio.Task[Any]] = []
         self._tick = time.monotonic()         # the heartbeat's last turn

@@ -46,6 +46,8 @@ EXPECTED = {
     "routing_decisions": "counter",
     # choices the router ran again after a worker failed them
     "request_retries": "counter",
+    # the Responses API's stored responses
+    "responses_stored": "gauge", "responses_stored_bytes": "gauge",
 }
 
 
@@ -249,3 +251,16 @@ def test_alert_rules_use_only_defined_metrics() -> None:
         for r in group["rules"]:
             names = referenced(r["expr"])
             assert names and names <= set(EXPECTED), r["alert"]
+
+
+def test_the_router_reads_its_response_store_at_each_scrape() -> None:
+    from pdserve.frontend.response_store import ResponseStore
+
+    metrics, store = RouterMetrics("m"), ResponseStore(4)
+    metrics.watch_responses(store)
+    store.put({"id": "resp_a"}, [{"type": "message", "role": "user", "content": "hi"}])
+    fams = families(metrics.render())
+    assert value(fams, "responses_stored") == 1 and value(fams, "responses_stored_bytes") == store.bytes > 0
+    store.delete("resp_a")
+    fams = families(metrics.render())
+    assert value(fams, "responses_stored") == value(fams, "responses_stored_bytes") == 0
