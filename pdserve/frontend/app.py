@@ -36,9 +36,9 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
@@ -52,7 +52,7 @@ from pdserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest,
                                        MessagesRequest, ResponsesRequest, TokenizeRequest)
 from pdserve.frontend.render import version
 from pdserve.frontend.requests import (Call, Calls, Serving, create_chat_completion, create_completion, create_message,
-                                       create_response, stored_response)
+                                       create_response, input_items_page, stored_response)
 from pdserve.frontend.server import Router
 from pdserve.frontend.tokens import count_tokens, detokenize, tokenize
 from pdserve.logs import REQUEST_ID
@@ -115,6 +115,11 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
     @app.get("/v1/responses/{response_id}")
     async def get_response(response_id: str) -> dict[str, Any]:
         return stored_response(serving, response_id).response
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def get_input_items(response_id: str, limit: int = Query(20, ge=1, le=100),
+                              order: Literal["asc", "desc"] = "desc", after: str | None = None) -> dict[str, Any]:
+        return input_items_page(serving, response_id, limit, order, after)
 
     @app.delete("/v1/responses/{response_id}")
     async def delete_response(response_id: str) -> dict[str, Any]:

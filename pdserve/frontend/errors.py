@@ -141,8 +141,8 @@ _TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|tuple|literal|funct
 
 def _field_path(loc: Any) -> str:
     parts: list[str] = []
-    for p in loc:
-        if p == "body" and not parts:
+    for i, p in enumerate(loc):
+        if i == 0 and p in ("body", "query", "path"):  # where FastAPI found it: not part of the name
             continue
         if isinstance(p, str) and _TYPE_TAG.search(p):
             break

@@ -27,6 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -196,6 +197,22 @@ def stored_response(s: Serving, response_id: str) -> StoredResponse:
     if stored is None:
         raise APIError(f"Response with id '{response_id}' not found.", 404, "invalid_request_error", "response_id")
     return stored
+
+
+def input_items_page(s: Serving, response_id: str, limit: int, order: str, after: str | None) -> dict[str, Any]:
+    """GET /v1/responses/{id}/input_items: what the stored response was given (the continued
+    conversation and its own input items), a page at a time, as OpenAI's list object."""
+    items = list(stored_response(s, response_id).inputs)
+    if order == "desc":
+        items.reverse()
+    if after is not None:
+        ids = [item.get("id") for item in items]
+        if after not in ids:
+            raise invalid(f"No input item with id '{after}' in response '{response_id}'.", "after")
+        items = items[ids.index(after) + 1:]
+    page = items[:limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": len(items) > limit}
 
 
 async def create_message(s: Serving, req: MessagesRequest, call: Call) -> Response:

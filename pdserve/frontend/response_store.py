@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import json
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +38,13 @@ class StoredResponse:
     response: dict[str, Any]            # the Response object as last sent
     conversation: tuple[dict[str, Any], ...]  # every item so far, its output included
     own: int                            # where its own items start (those before came earlier)
+    outputs: int                        # where its output items start
     size: int                           # bytes of its own items and of the response, as JSON
+
+    @property
+    def inputs(self) -> tuple[dict[str, Any], ...]:
+        """What the model was given: the earlier items and its own input items."""
+        return self.conversation[:self.outputs]
 
 
 class ResponseStore:
@@ -71,14 +78,16 @@ class ResponseStore:
         """An item a kept response brought, by its id."""
         return self._items.get(item_id)
 
-    def put(self, response: dict[str, Any], conversation: list[dict[str, Any]], new: int = 0) -> None:
-        """Keep `response` (copied: the caller's dict may change) and its conversation, whose
-        items from `new` on are its own (those before came with an earlier response)."""
+    def put(self, response: dict[str, Any], before: Sequence[dict[str, Any]], inputs: list[dict[str, Any]],
+            outputs: list[dict[str, Any]]) -> None:
+        """Keep `response` (copied: the caller's dict may change) and its conversation: the
+        items `before` it (they came with an earlier response), its input and output items."""
         if not self.enabled:
             return
-        size = len(json.dumps([response, conversation[new:]], ensure_ascii=False))
+        size = len(json.dumps([response, inputs, outputs], ensure_ascii=False))
         self.delete(response["id"])
-        stored = StoredResponse(copy.deepcopy(response), tuple(conversation), new, size)
+        stored = StoredResponse(copy.deepcopy(response), (*before, *inputs, *outputs), len(before),
+                                len(before) + len(inputs), size)
         self._responses[response["id"]] = stored
         self.bytes += size
         for item in _own_items(stored):

@@ -243,8 +243,8 @@ class ResponsesRenderer(ItemRenderer):
         if self.store is None:
             return
         output = [item for item in self.items if item["type"] != "function_call" or item["status"] == "completed"]
-        self.store.put(self.response(), [*self.before, *input_items(self.req), *copy.deepcopy(output)],
-                       len(self.before))
+        inputs = [_with_id(item) for item in input_items(self.req)]
+        self.store.put(self.response(), self.before, inputs, copy.deepcopy(output))
 
     def response(self) -> dict[str, Any]:
         req, state = self.req, self.choices[0]
@@ -354,3 +354,16 @@ class ResponsesRenderer(ItemRenderer):
 
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
+
+
+ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+
+
+def _with_id(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item as it is stored: with its type and an id (OpenAI lists and references input
+    items by id too)."""
+    kind = item.get("type", "message")
+    if isinstance(item.get("id"), str) and "type" in item:
+        return item
+    ident = item.get("id") if isinstance(item.get("id"), str) else _item_id(ITEM_ID_PREFIXES.get(kind, "item"))
+    return {"type": kind, "id": ident, **{k: v for k, v in item.items() if k not in ("type", "id")}}

@@ -258,7 +258,7 @@ def test_the_router_reads_its_response_store_at_each_scrape() -> None:
 
     metrics, store = RouterMetrics("m"), ResponseStore(4)
     metrics.watch_responses(store)
-    store.put({"id": "resp_a"}, [{"type": "message", "role": "user", "content": "hi"}])
+    store.put({"id": "resp_a"}, (), [{"type": "message", "role": "user", "content": "hi"}], [])
     fams = families(metrics.render())
     assert value(fams, "responses_stored") == 1 and value(fams, "responses_stored_bytes") == store.bytes > 0
     store.delete("resp_a")

@@ -185,7 +185,10 @@ def test_a_stored_response_keeps_its_conversation_less_the_calls_nobody_ran():
     second = store.get("resp_2")
     assert second.response["previous_response_id"] == "resp_1"
     assert second.conversation[:4] == stored.conversation and len(second.conversation) == 8
-    assert second.conversation[4] == {"type": "function_call_output", "call_id": "call_a", "output": "sunny"}
+    given = {k: v for k, v in second.conversation[4].items() if k != "id"}
+    assert given == {"type": "function_call_output", "call_id": "call_a", "output": "sunny"}
+    assert second.conversation[4]["id"].startswith("fco_")  # stored input items get ids, as OpenAI's
+    assert second.inputs == second.conversation[:5]
     assert store.get("resp_1").conversation == stored.conversation  # the first is unchanged
 
 
@@ -198,7 +201,7 @@ def test_store_false_a_failure_and_a_full_store_keep_nothing_more():
     r.failure(APIError("lost", 503))  # a failed stream never reaches done()
     assert store.get("resp_f") is None
     for rid in ("a", "b", "c"):
-        store.put({"id": rid}, [])
+        store.put({"id": rid}, (), [], [])
         store.get("a")  # used: the oldest unused goes first
     assert store.get("b") is None and store.get("a") is not None and store.get("c") is not None
     assert store.delete("a") and not store.delete("a") and len(store) == 1
@@ -207,14 +210,14 @@ def test_store_false_a_failure_and_a_full_store_keep_nothing_more():
 def test_the_store_keeps_to_its_bytes_counting_each_item_with_the_response_that_brought_it():
     store = ResponseStore(10, max_bytes=1000)
     turn = [{"type": "message", "role": "user", "content": "x" * 200}]
-    store.put({"id": "a"}, turn)
-    store.put({"id": "b"}, [*store.get("a").conversation, *turn], new=1)  # a continuation: one new item
+    store.put({"id": "a"}, (), turn, [])
+    store.put({"id": "b"}, store.get("a").conversation, turn, [])  # a continuation: one new item
     assert store.get("b").size == store.get("a").size < 300  # the earlier item is a's, not b's too
     for rid in "cde":
-        store.put({"id": rid}, turn)
+        store.put({"id": rid}, (), turn, [])
     assert [rid for rid in "abcde" if store.get(rid)] == ["c", "d", "e"]  # 5 × ≈ 250 > 1000: the oldest go
     assert store.bytes == sum(store.get(rid).size for rid in "cde") <= 1000
-    store.put({"id": "big"}, [{"content": "y" * 5000}])  # alone over the budget: kept, alone
+    store.put({"id": "big"}, (), [{"content": "y" * 5000}], [])  # alone over the budget: kept, alone
     assert len(store) == 1 and store.bytes == store.get("big").size
 
 

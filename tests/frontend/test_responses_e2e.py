@@ -151,6 +151,14 @@ def test_a_continued_response_is_the_response_to_the_whole_conversation(client):
     assert second.usage.input_tokens == whole.usage.input_tokens > first.usage.input_tokens
     kept = client.responses.retrieve(second.id)  # (the helper's final response is a ParsedResponse)
     assert (kept.output_text, kept.usage, kept.previous_response_id) == (second.output_text, second.usage, first.id)
+    # what it was given: the first turn (its input, its answer) and its own input, newest first
+    given = list(client.responses.input_items.list(second.id))
+    assert [(i.type, i.role) for i in given] == [("message", "user"), ("message", "assistant"), ("message", "user")]
+    assert given[1].id == first.output[0].id and all(i.id for i in given)
+    page = client.responses.input_items.list(second.id, order="asc", limit=2)
+    assert [i.id for i in page.data] == [i.id for i in reversed(given)][:2] and page.has_more
+    rest = client.responses.input_items.list(second.id, order="asc", limit=2, after=page.data[-1].id)
+    assert [i.id for i in rest.data] == [given[0].id] and not rest.has_more
 
     with pytest.raises(openai.NotFoundError):  # store: false keeps nothing
         client.responses.retrieve(whole.id)
