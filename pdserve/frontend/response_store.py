@@ -59,7 +59,8 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.bytes = 0
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
-        self._items: dict[str, dict[str, Any]] = {}  # item id → the item, while its response is kept
+        # item id → the item and how many kept responses brought it (a referenced item comes again)
+        self._items: dict[str, tuple[dict[str, Any], int]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -76,7 +77,8 @@ class ResponseStore:
 
     def item(self, item_id: str) -> dict[str, Any] | None:
         """An item a kept response brought, by its id."""
-        return self._items.get(item_id)
+        entry = self._items.get(item_id)
+        return None if entry is None else entry[0]
 
     def put(self, response: dict[str, Any], before: Sequence[dict[str, Any]], inputs: list[dict[str, Any]],
             outputs: list[dict[str, Any]]) -> None:
@@ -91,7 +93,8 @@ class ResponseStore:
         self._responses[response["id"]] = stored
         self.bytes += size
         for item in _own_items(stored):
-            self._items[item["id"]] = item
+            held = self._items.get(item["id"], (item, 0))
+            self._items[item["id"]] = (held[0], held[1] + 1)
         while len(self._responses) > self.capacity or (self.bytes > self.max_bytes and len(self._responses) > 1):
             self._forget(self._responses.popitem(last=False)[1])
 
@@ -106,7 +109,10 @@ class ResponseStore:
     def _forget(self, stored: StoredResponse) -> None:
         self.bytes -= stored.size
         for item in _own_items(stored):
-            if self._items.get(item["id"]) is item:
+            held, count = self._items[item["id"]]
+            if count > 1:
+                self._items[item["id"]] = (held, count - 1)
+            else:
                 del self._items[item["id"]]
 
 

@@ -241,7 +241,11 @@ def test_an_item_reference_is_the_stored_item_it_names():
         with pytest.raises(APIError) as e:
             resolve_references(ResponseStore(capacity), references, ())
         assert (e.value.status, e.value.param) == (400, param)
-    store.delete("resp_1")  # its items go with it
+    # a response that was given them by reference brings them again: they stay while either is kept
+    ended(store, body={"input": resolved.input, "tools": [WEATHER]}, rid="resp_2")
+    store.delete("resp_2")
+    assert store.item(message["id"]) is message and store.item(call["id"]) is call
+    store.delete("resp_1")  # the last response that brought them: they go with it
     assert store.item(message["id"]) is None and store.item(call["id"]) is None
 
 
