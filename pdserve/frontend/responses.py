@@ -360,10 +360,15 @@ ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_outp
 
 
 def _with_id(item: dict[str, Any]) -> dict[str, Any]:
-    """An input item as it is stored: with its type and an id (OpenAI lists and references input
-    items by id too)."""
+    """An input item as it is stored and listed: with its type and an id (OpenAI lists and
+    references input items by id too), a message's text as a list of parts."""
     kind = item.get("type", "message")
-    if isinstance(item.get("id"), str) and "type" in item:
-        return item
+    if isinstance(item.get("id"), str) and "type" in item and not isinstance(item.get("content"), str):
+        return item  # as given (or an item this server stored before)
     ident = item.get("id") if isinstance(item.get("id"), str) else _item_id(ITEM_ID_PREFIXES.get(kind, "item"))
-    return {"type": kind, "id": ident, **{k: v for k, v in item.items() if k not in ("type", "id")}}
+    stored = {"type": kind, "id": ident, **{k: v for k, v in item.items() if k not in ("type", "id")}}
+    if kind == "message" and isinstance(item.get("content"), str):
+        part = ({"type": "output_text", "text": item["content"], "annotations": []} if item.get("role") == "assistant"
+                else {"type": "input_text", "text": item["content"]})
+        stored["content"] = [part]
+    return stored

@@ -155,6 +155,7 @@ def test_a_continued_response_is_the_response_to_the_whole_conversation(client):
     given = list(client.responses.input_items.list(second.id))
     assert [(i.type, i.role) for i in given] == [("message", "user"), ("message", "assistant"), ("message", "user")]
     assert given[1].id == first.output[0].id and all(i.id for i in given)
+    assert [(c.type, c.text) for c in given[0].content] == [("input_text", "What is my name?")]
     page = client.responses.input_items.list(second.id, order="asc", limit=2)
     assert [i.id for i in page.data] == [i.id for i in reversed(given)][:2] and page.has_more
     rest = client.responses.input_items.list(second.id, order="asc", limit=2, after=page.data[-1].id)
