@@ -78,6 +78,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     allowed_token_ids: list[int] | None = None  # None: any token; else only these are sampled
+    # token sequences never completed: a sequence's last token is banned wherever the output so
+    # far ends with the rest of it (vLLM's bad_words, tokenized by the router)
+    bad_words_ids: list[list[int]] = field(default_factory=list)
     seed: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
@@ -117,6 +120,8 @@ class SamplingParams:
             raise ValueError("resumed_tokens must be >= 0")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise ValueError("allowed_token_ids must not be empty")
+        if any(not ids for ids in self.bad_words_ids):
+            raise ValueError("bad_words_ids must not hold an empty sequence")
 
     @property
     def greedy(self) -> bool:

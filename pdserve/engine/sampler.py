@@ -111,7 +111,7 @@ def _plain_greedy(seq: Sequence) -> bool:
     """Greedy with nothing that changes the logits and no logprobs: the argmax is the token."""
     p = seq.params
     return (p.greedy and p.logprobs is None and not p.logit_bias and p.allowed_token_ids is None
-            and p.repetition_penalty == 1.0
+            and not p.bad_words_ids and p.repetition_penalty == 1.0
             and not p.presence_penalty and not p.frequency_penalty
             and (len(seq.output_ids) >= p.min_tokens))
 
@@ -123,6 +123,8 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         ids = torch.tensor(p.allowed_token_ids, dtype=torch.long, device=row.device)
         keep[ids[ids < row.numel()]] = True  # the router checked them against the vocabulary
         row.masked_fill_(~keep, float("-inf"))
+    if p.bad_words_ids:
+        _ban_bad_words(row, p.bad_words_ids, seq.generated_ids)
     if p.logit_bias:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
         valid = ids < row.numel()
@@ -142,6 +144,15 @@ def _adjust(row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         counts = torch.bincount(torch.tensor(generated), minlength=row.numel())[:row.numel()]
         row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
     return row
+
+
+def _ban_bad_words(row: torch.Tensor, words: list[list[int]], output: list[int]) -> None:
+    """The last token of every word whose other tokens end the output so far (a one-token word:
+    always) gets no mass."""
+    for ids in words:
+        head = ids[:-1]
+        if ids[-1] < row.numel() and (not head or output[len(output) - len(head):] == head):
+            row[ids[-1]] = float("-inf")
 
 
 def _draw(row: torch.Tensor, seq: Sequence, output: int) -> int:

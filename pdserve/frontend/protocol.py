@@ -2,9 +2,9 @@
 
 Field bounds follow the OpenAI API reference; the extras vLLM accepts in the body (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``allowed_token_ids``) are accepted too, as are SGLang's
-``separate_reasoning`` and ``chat_template_kwargs``. Unknown fields are ignored. Tools are
-checked for shape here and kept as sent; what they mean for the prompt and the output is in
+``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``) are accepted too, as are
+SGLang's ``separate_reasoning`` and ``chat_template_kwargs``. Unknown fields are ignored. Tools
+are checked for shape here and kept as sent; what they mean for the prompt and the output is in
 ``tools``. Checks that need the tokenizer or the context length (token ids, logit-bias ids,
 prompt length) are done later, in ``params`` and ``prompts``.
 """
@@ -19,6 +19,7 @@ MAX_N = 128
 MAX_STOP = 16          # OpenAI documents 4; clients sometimes send a few more
 MAX_STOP_LENGTH = 1024
 MAX_LOGPROBS = 20
+MAX_BAD_WORDS = 128
 
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: deprecated, read as tool
 ToolChoiceName = Literal["none", "auto", "required"]
@@ -85,6 +86,7 @@ class GenerationFields(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False  # the text ends with the stop string it met
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # only these are sampled
+    bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)  # never written (bad_words_ids)
     # vLLM's structured outputs (pdserve.structured.spec reads them; one constraint per request)
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -109,6 +111,13 @@ class GenerationFields(BaseModel):
             raise ValueError(f"at most {MAX_STOP} stop sequences are allowed, got {len(items)}")
         if any(len(s) > MAX_STOP_LENGTH for s in items):
             raise ValueError(f"a stop sequence may be at most {MAX_STOP_LENGTH} characters long")
+        return v
+
+    @field_validator("bad_words")
+    @classmethod
+    def _words(cls, v: list[str] | None) -> list[str] | None:
+        if any(not w.strip() for w in v or ()):
+            raise ValueError("bad words must not be empty")
         return v
 
     @field_validator("logit_bias")

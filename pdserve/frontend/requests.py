@@ -153,6 +153,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: C
     max_tokens = resolve_max_tokens(req.output_limit, len(prompt.ids), max_len, "messages")
     s.check_fits(len(prompt.ids), "messages")
     params = sampling_params(req, max_tokens, req.top_n, s.tokenizer.vocab_size)
+    params.bad_words_ids = bad_words_ids(s.tokenizer, req.bad_words or [])
     if constraint is not None:  # where the grammar starts: tools.for_prompt
         params.structured = for_prompt(constraint, policy, s.output.profile, prompt.ids)
     rooms = room_ids(call.room_base, req.n)
@@ -249,6 +250,7 @@ async def create_completion(s: Serving, req: CompletionRequest, call: Call) -> R
         max_tokens = resolve_max_tokens(req.max_tokens, len(prompt.ids), max_len, "prompt")
         s.check_fits(len(prompt.ids), "prompt")
         params = sampling_params(req, max(max_tokens, 1), None if score else req.logprobs, s.tokenizer.vocab_size)
+        params.bad_words_ids = bad_words_ids(s.tokenizer, req.bad_words or [])
         params.structured = constraint[0] if constraint else None
         params.prompt_logprobs = prompt_top
         for k, choice_params in enumerate(expand_choices(params, req.n)):
@@ -327,6 +329,18 @@ def sampling_params(req: GenerationFields, max_tokens: int, logprobs: int | None
         name = str(e).split(" ", 1)[0]
         raise invalid(str(e), name if hasattr(params, name) else None) from None
     return params
+
+
+def bad_words_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's `bad_words` as token sequences: each word as it starts a text and as it follows a
+    space (BPE vocabularies spell the two apart), once each."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            if ids and ids not in out:
+                out.append(ids)
+    return out
 
 
 def expand_choices(params: SamplingParams, n: int) -> list[SamplingParams]:

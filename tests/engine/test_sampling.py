@@ -169,6 +169,25 @@ def test_allowed_token_ids_are_all_that_is_sampled():
     assert tok == 0
 
 
+def test_a_bad_word_is_never_completed():
+    logits = torch.zeros(1, 10)
+    logits[0, 3], logits[0, 4], logits[0, 5] = 3.0, 2.0, 1.0
+    words = [[3, 4], [9]]  # "3 4" and "9" are bad: 4 is banned only right after a 3
+
+    def pick(output: list[int]) -> int:
+        return sample(logits, [seq_with(SamplingParams(temperature=0, bad_words_ids=words), output=output)])[0][0]
+
+    assert (pick([]), pick([3]), pick([4, 3]), pick([3, 1])) == (3, 3, 3, 3)
+    logits[0, 3] = -5.0  # now 4 is the favourite, except after a 3
+    assert (pick([1]), pick([3])) == (4, 5)
+    logits[0, 9] = 10.0  # a one-word ban holds everywhere
+    assert pick([1]) == 4
+    # what an earlier attempt wrote (resumed_tokens) counts as output
+    resumed = Sequence("x", [1, 3], SamplingParams(temperature=0, bad_words_ids=words, resumed_tokens=1),
+                       frozenset({0}))
+    assert sample(logits, [resumed])[0][0] == 5
+
+
 def test_logprobs_top_n():
     logits = torch.log(torch.tensor([[0.1, 0.6, 0.3]]))
     (tok, lp), = sample(logits, [seq_with(SamplingParams(temperature=0, logprobs=2))])

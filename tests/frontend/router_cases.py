@@ -84,6 +84,9 @@ def bad_input_cases(max_body: int) -> list[Case]:
         Case("logit_bias_bad_key", CHAT, body=chat(logit_bias={"abc": 1}), param="logit_bias"),
         Case("logit_bias_unknown_token", CHAT, body=chat(logit_bias={"999999": 1}), param="logit_bias"),
         Case("allowed_token_ids_empty", CHAT, body=chat(allowed_token_ids=[]), param="allowed_token_ids"),
+        Case("bad_words_blank", CHAT, body=chat(bad_words=["ok", " "]), param="bad_words"),
+        Case("bad_words_too_many", COMPLETIONS, body=completion(bad_words=[f"w{i}" for i in range(129)]),
+             param="bad_words"),
         Case("allowed_token_ids_unknown_token", COMPLETIONS, body=completion(allowed_token_ids=[5, 999999]),
              param="allowed_token_ids"),
         Case("allowed_token_ids_with_a_schema", CHAT, body=chat(allowed_token_ids=[5], response_format={

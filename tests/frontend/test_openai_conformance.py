@@ -166,6 +166,16 @@ def test_allowed_token_ids_and_the_stop_reason_as_vllm_has_them(client, tokenize
             ("stop", stop_id), ("stop", stop)]
 
 
+def test_bad_words_are_never_written(client):
+    """vLLM's extra: a word of the greedy answer, banned, is not in the answer then (as a token
+    after a space, the way the answer wrote it), and the answer changes from there."""
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0, logprobs=0)
+    tokens = client.completions.create(**kwargs).choices[0].logprobs.tokens
+    word = next(t for t in tokens[2:] if t.startswith(" ") and t.strip().isalpha())
+    banned = client.completions.create(**kwargs, extra_body={"bad_words": [word.strip()]}).choices[0].logprobs.tokens
+    assert word not in banned and banned[:tokens.index(word)] == tokens[:tokens.index(word)]
+
+
 def test_echo_prints_the_prompt_first(client):
     r = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=4, temperature=0, echo=True)
     assert r.choices[0].text.startswith("Once upon a time")
