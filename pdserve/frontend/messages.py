@@ -30,9 +30,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import ValidationError
-
-from pdserve.frontend.errors import APIError, anthropic_body, invalid, validation_message
+from pdserve.frontend.errors import APIError, anthropic_body, invalid
 from pdserve.frontend.protocol import ChatCompletionRequest, MessagesRequest
 from pdserve.frontend.render import ItemRenderer
 from pdserve.parsers import ToolCallStart
@@ -72,14 +70,7 @@ def chat_request(req: MessagesRequest, stream: bool | None = None) -> ChatComple
         "chat_template_kwargs": _thinking(req.thinking),
         "reasoning_effort": (req.output_config or {}).get("effort"),
     }
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-    except ValidationError as e:
-        message, param = validation_message(e.errors(include_url=False))
-        for chat_name, name in (("stop", "stop_sequences"), ("reasoning_effort", "output_config.effort")):
-            if param == chat_name:  # the chat field the client sent under its Anthropic name
-                message, param = name + message.removeprefix(chat_name), name
-        raise invalid(message, param) from None
+    return ChatCompletionRequest.converted(body, {"stop": "stop_sequences", "reasoning_effort": "output_config.effort"})
 
 
 def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pdserve.frontend.errors import invalid, validation_message
 
 MAX_N = 128
 MAX_STOP = 16          # OpenAI documents 4; clients sometimes send a few more
@@ -236,6 +238,8 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(GenerationFields):
+    """POST /v1/chat/completions; also what a Responses or Messages request becomes (`converted`)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
@@ -252,6 +256,18 @@ class ChatCompletionRequest(GenerationFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's, and DeepSeek's "max": the template's `reasoning_effort` unless chat_template_kwargs set it
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+
+    @classmethod
+    def converted(cls, fields: dict[str, Any], names: dict[str, str]) -> ChatCompletionRequest:
+        """The chat request another API's request becomes (`fields`: chat fields, None ones left
+        out); its 400 names the field as that API calls it (`names`: chat name → its name)."""
+        try:
+            return cls.model_validate({k: v for k, v in fields.items() if v is not None})
+        except ValidationError as e:
+            message, param = validation_message(e.errors(include_url=False))
+            if param in names:
+                message, param = names[param] + message.removeprefix(param), names[param]
+            raise invalid(message, param) from None
 
     @field_validator("tools")
     @classmethod

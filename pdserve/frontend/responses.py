@@ -30,9 +30,7 @@ import time
 import uuid
 from typing import Any
 
-from pydantic import ValidationError
-
-from pdserve.frontend.errors import APIError, invalid, validation_message
+from pdserve.frontend.errors import APIError, invalid
 from pdserve.frontend.protocol import ChatCompletionRequest, ResponsesRequest
 from pdserve.frontend.render import ItemRenderer
 from pdserve.frontend.response_store import ResponseStore
@@ -110,13 +108,9 @@ def chat_request(req: ResponsesRequest, before: tuple[dict[str, Any], ...] = ())
         "response_format": _response_format(req.text),
         "reasoning_effort": (req.reasoning or {}).get("effort"),
     }
-    try:
-        return ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
-    except ValidationError as e:
-        message, param = validation_message(e.errors(include_url=False))
-        if param == "reasoning_effort":
-            message, param = "reasoning.effort" + message.removeprefix("reasoning_effort"), "reasoning.effort"
-        raise invalid(message, param if param == "reasoning.effort" else None) from None
+    return ChatCompletionRequest.converted(body, {
+        "messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
+        "reasoning_effort": "reasoning.effort"})
 
 
 def _add_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:
