@@ -63,7 +63,8 @@ class GrammarSpec:
 
 @dataclass
 class SamplingParams:
-    """OpenAI-style sampling and stopping settings. `temperature == 0` means greedy.
+    """OpenAI-style sampling and stopping settings (and how the request may share the prefix
+    cache). `temperature == 0` means greedy.
 
     On the wire (``GenerateRequest.params``) every field but ``stop`` travels: stop *strings*
     are the router's (it detokenizes, cuts the text, and aborts the request on the workers).
@@ -95,6 +96,10 @@ class SamplingParams:
     # and a seed draws as if they had been drawn here; max_tokens and min_tokens count only
     # the tokens still to come
     resumed_tokens: int = 0
+    # vLLM's cache_salt: the request's cached blocks are named under it too, so it shares prefix
+    # blocks only with requests that send the same salt (tenants cannot time each other's
+    # prompts); None: the worker's shared chain
+    cache_salt: str | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""
@@ -122,6 +127,8 @@ class SamplingParams:
             raise ValueError("allowed_token_ids must not be empty")
         if any(not ids for ids in self.bad_words_ids):
             raise ValueError("bad_words_ids must not hold an empty sequence")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt must be a non-empty string")
 
     @property
     def greedy(self) -> bool:

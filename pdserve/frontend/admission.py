@@ -174,16 +174,18 @@ class Admission:
     # ---- the queue -----------------------------------------------------------------------------
 
     @asynccontextmanager
-    async def admit(self, n: int = 1, prompt_ids: Sequence[int] | None = None) -> AsyncIterator[Ticket]:
-        """Wait (bounded) for room for `n` choices of the prompt `prompt_ids` (the routing key);
-        inside the block, pick their routes from the ticket and register the choices on their
+    async def admit(self, n: int = 1, prompt_ids: Sequence[int] | None = None,
+                    cache_salt: str | None = None) -> AsyncIterator[Ticket]:
+        """Wait (bounded) for room for `n` choices of the prompt `prompt_ids` (the routing key,
+        with the request's `cache_salt`, under which the workers cache it); inside the block, pick their routes from the ticket and register the choices on their
         workers; the reservations end with the block. Raises the 429 (or 503) APIError when
         refused."""
-        async with self._admitted(n, prompt_ids, None) as ticket:
+        async with self._admitted(n, prompt_ids, cache_salt, None) as ticket:
             yield ticket
 
     @asynccontextmanager
-    async def readmit(self, failed: Route, prompt_ids: Sequence[int]) -> AsyncIterator[Ticket]:
+    async def readmit(self, failed: Route, prompt_ids: Sequence[int],
+                      cache_salt: str | None = None) -> AsyncIterator[Ticket]:
         """Room for one choice that `failed`, to run it again (from the start or from its last
         token), admitted like a new request (it may wait for a restarting worker, and gets 429
         or 503 as one would). A worker of the failed route takes it only once it answered a probe asked after
@@ -193,13 +195,13 @@ class Admission:
         since = self.pool.clock()
         suspects = [w for w in failed if w is not None]
         await self.pool.recheck(suspects)
-        async with self._admitted(1, prompt_ids, lambda w: w not in suspects or w.ok_asked_at >= since) as ticket:
+        async with self._admitted(1, prompt_ids, cache_salt, lambda w: w not in suspects or w.ok_asked_at >= since) as ticket:
             yield ticket
 
     @asynccontextmanager
-    async def _admitted(self, n: int, prompt_ids: Sequence[int] | None,
+    async def _admitted(self, n: int, prompt_ids: Sequence[int] | None, cache_salt: str | None,
                         allowed: Callable[[WorkerEndpoint], bool] | None) -> AsyncIterator[Ticket]:
-        routes = await self._wait(n, PromptKey(prompt_ids) if prompt_ids else None, allowed)
+        routes = await self._wait(n, PromptKey(prompt_ids, cache_salt) if prompt_ids else None, allowed)
         try:
             yield Ticket(routes)
         finally:

@@ -2,7 +2,7 @@
 
 Field bounds follow the OpenAI API reference; the extras vLLM accepts in the body (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``) are accepted too, as are
+``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``cache_salt``) are accepted too, as are
 SGLang's ``separate_reasoning`` and ``chat_template_kwargs``. Unknown fields are ignored. Tools
 are checked for shape here and kept as sent; what they mean for the prompt and the output is in
 ``tools``. Checks that need the tokenizer or the context length (token ids, logit-bias ids,
@@ -89,6 +89,7 @@ class GenerationFields(BaseModel):
     include_stop_str_in_output: bool = False  # the text ends with the stop string it met
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # only these are sampled
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)  # never written (bad_words_ids)
+    cache_salt: str | None = Field(None, min_length=1)  # shares cached prefixes only with the same salt
     # vLLM's structured outputs (pdserve.structured.spec reads them; one constraint per request)
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -389,6 +390,7 @@ class ResponsesRequest(BaseModel):
     background: bool | None = None
     include: list[str] | None = None
     top_logprobs: int | None = None
+    cache_salt: str | None = None  # vLLM's, as on chat
 
     @model_validator(mode="after")
     def _supported(self) -> ResponsesRequest:

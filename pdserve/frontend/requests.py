@@ -322,6 +322,7 @@ def sampling_params(req: GenerationFields, max_tokens: int, logprobs: int | None
         stop_token_ids=stop_ids,
         stop=req.stop_list(),
         logprobs=logprobs,
+        cache_salt=req.cache_salt,
     )
     try:
         params.validate()
@@ -362,7 +363,8 @@ async def respond(s: Serving, call: Call, specs: list[ChoiceSpec],
         gen = Generation(specs, make_decoder, s.pool, s.services, batch)  # 503 before start
     else:
         # waits for room; 429 when there is none. The prompt is the routing key (routing.py).
-        async with s.admission.admit(len(specs), specs[0].prompt_ids if specs else None) as ticket:
+        key = (specs[0].prompt_ids, specs[0].params.cache_salt) if specs else (None, None)
+        async with s.admission.admit(len(specs), *key) as ticket:
             gen = Generation(specs, make_decoder, ticket, s.services, batch)
     logger.info("[%s] %s: %d choice(s), %d prompt tokens, stream=%s, workers %s", call.request_id,
                 call.endpoint, len(specs), renderer.prompt_tokens, stream,

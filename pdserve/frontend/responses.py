@@ -107,6 +107,7 @@ def chat_request(req: ResponsesRequest, before: tuple[dict[str, Any], ...] = ())
         "tool_choice": _chat_tool_choice(req.tool_choice),
         "response_format": _response_format(req.text),
         "reasoning_effort": (req.reasoning or {}).get("effort"),
+        "cache_salt": req.cache_salt,
     }
     return ChatCompletionRequest.converted(body, {
         "messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",

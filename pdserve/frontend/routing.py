@@ -71,11 +71,12 @@ class Decision(NamedTuple):
     matched_blocks: int
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
-    """The chained hash of every full block of `token_ids`: hash(i) = H(hash(i-1) ‖ block i).
-    64 bits: a collision only misroutes one request."""
+def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | None = None) -> list[int]:
+    """The chained hash of every full block of `token_ids`: hash(i) = H(hash(i-1) ‖ block i),
+    started by the request's `cache_salt` as the workers' chains are (a salted prompt matches
+    only what was sent with the same salt). 64 bits: a collision only misroutes one request."""
     out: list[int] = []
-    prev = b""
+    prev = b"" if cache_salt is None else hashlib.blake2b(cache_salt.encode(), digest_size=8).digest()
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         digest = hashlib.blake2b(prev + array("I", token_ids[start:start + block_size]).tobytes(),
                                  digest_size=8).digest()
@@ -85,15 +86,16 @@ def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
 
 
 class PromptKey:
-    """A prompt's token ids, hashed per block size on first use."""
+    """A prompt's token ids (and its request's cache salt), hashed per block size on first use."""
 
-    def __init__(self, token_ids: Sequence[int]) -> None:
+    def __init__(self, token_ids: Sequence[int], cache_salt: str | None = None) -> None:
         self.token_ids = token_ids
+        self.cache_salt = cache_salt
         self._hashes: dict[int, list[int]] = {}
 
     def hashes(self, block_size: int) -> list[int]:
         if block_size not in self._hashes:
-            self._hashes[block_size] = block_hashes(self.token_ids, block_size)
+            self._hashes[block_size] = block_hashes(self.token_ids, block_size, self.cache_salt)
         return self._hashes[block_size]
 
 

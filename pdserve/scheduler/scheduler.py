@@ -38,8 +38,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.sequence import FinishReason, KVRole, Sequence, SequenceStatus
-from pdserve.kvcache import BlockAllocator, BlockHash, Tail, extend_hashes
+from pdserve.kvcache import BlockAllocator, BlockHash, Tail, extend_hashes, salt_of
 from pdserve.logs import about
+from pdserve.engine.sampling_params import SamplingParams
 
 from .lifecycle import HeldEvent, ended
 from .lifecycle import step as held_step
@@ -159,6 +160,7 @@ class _Slot:
     num_pending: int
     blocks: list[int]
     prompt: list[int] | None = None  # an admitted request not yet a Sequence
+    salt: BlockHash = b""  # an admitted request's chain start (a Sequence's comes from its params)
     computes_all: bool = False  # wants its prompt's logprobs: every position computed, no cache hit
 
 
@@ -254,7 +256,7 @@ class Scheduler:
             elif req.request_id in aborted_now:  # its client left already: aborted, not failed
                 plan.cancelled.append((req.request_id, aborted_now[req.request_id]))
             elif req.kv is KVRole.DECODE:
-                hit = self._room_hit(req.prompt_ids)
+                hit = self._room_hit(req)
                 need = self._blocks_for(len(req.prompt_ids)) - len(hit)
                 if need + books.take_cost(hit) > books.free:
                     plan.deferred.append(req)
@@ -280,12 +282,19 @@ class Scheduler:
             return "the prompt does not fit in the KV cache"
         return None
 
-    def _room_hit(self, prompt: list[int]) -> list[int]:
+    def _room_hit(self, req: NewRequest) -> list[int]:
         """A decode room's cached blocks: the longest cached chain of its prompt's full blocks
         (KV this worker kept from earlier requests). The prefill worker writes only the rest."""
-        bs = self.config.block_size
-        names = extend_hashes([], prompt[:len(prompt) // bs * bs], bs, self.config.cache_salt)
+        bs, prompt = self.config.block_size, req.prompt_ids
+        names = extend_hashes([], prompt[:len(prompt) // bs * bs], bs, self._salt(req.params))
         return self.allocator.lookup(names)
+
+    def _salt(self, params: SamplingParams) -> BlockHash:
+        """Where a request's chain of block names starts: the worker's salt, or, for a request
+        with a `cache_salt`, a digest of both (it shares blocks only with that salt's requests)."""
+        if params.cache_salt is None:
+            return self.config.cache_salt
+        return salt_of(self.config.cache_salt, params.cache_salt)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
@@ -295,7 +304,7 @@ class Scheduler:
         as it grows: its tokens before the last named block never change)."""
         if len(seq.block_hashes) < num_blocks:
             bs = self.config.block_size
-            extend_hashes(seq.block_hashes, seq.token_ids[:num_blocks * bs], bs, self.config.cache_salt)
+            extend_hashes(seq.block_hashes, seq.token_ids[:num_blocks * bs], bs, self._salt(seq.params))
         return seq.block_hashes[:num_blocks]
 
     def _cache_hit(self, slot: _Slot, books: _Books) -> tuple[list[int], int]:
@@ -309,16 +318,17 @@ class Scheduler:
             return [], 0
         bs = self.config.block_size
         last = slot.num_pending - 1  # the cache may give the tokens before this one
-        tokens = slot.prompt if slot.seq is None else slot.seq.token_ids
         if slot.seq is None:
-            names = extend_hashes([], tokens[:last // bs * bs], bs, self.config.cache_salt)
+            tokens, salt = slot.prompt, slot.salt
+            names = extend_hashes([], tokens[:last // bs * bs], bs, salt)
         else:
+            tokens, salt = slot.seq.token_ids, self._salt(slot.seq.params)
             names = self._names(slot.seq, last // bs)
         hit = self.allocator.lookup(names)
         from_host = self.allocator.host_chain(names[len(hit):])
         cached = (len(hit) + from_host) * bs
         if not from_host:
-            parent = names[len(hit) - 1] if hit else self.config.cache_salt
+            parent = names[len(hit) - 1] if hit else salt
             block, matched = self.allocator.find_tail(parent, tokens[cached:last], books.taken)
             if matched:
                 hit, cached = hit + [block], cached + matched
@@ -338,7 +348,7 @@ class Scheduler:
         waiting = [_Slot(seq, seq.request_id, 0, seq.num_tokens + (seq.request_id in late), [],
                          computes_all=seq.wants_prompt_logprobs)
                    for seq in self.waiting if seq.request_id not in gone and not self._unresolved(seq, grown)]
-        waiting += [_Slot(None, r.request_id, 0, len(r.prompt_ids), [], r.prompt_ids,
+        waiting += [_Slot(None, r.request_id, 0, len(r.prompt_ids), [], r.prompt_ids, self._salt(r.params),
                           computes_all=r.params.prompt_logprobs is not None)
                     for r in admitted if r.kv is not KVRole.DECODE]
 
@@ -511,7 +521,7 @@ class Scheduler:
         rest = names[len(blocks):]
         tail, matched = -1, 0
         if partial and not rest:
-            parent = names[-1] if names else self.config.cache_salt
+            parent = names[-1] if names else self._salt(seq.params)
             tail, matched = self.allocator.find_tail(parent, seq.token_ids[n * bs:cached])
         if self.allocator.host_chain(rest) != len(rest) or matched != partial:  # not rank 0's cache
             raise RuntimeError(f"request {seq.request_id}: the plan reuses {cached} cached tokens, "
@@ -633,7 +643,7 @@ class Scheduler:
         full, partial = divmod(min(seq.num_computed, seq.num_tokens), self.config.block_size)
         if not partial or len(seq.block_table) <= full:
             return None
-        parent = self._names(seq, full)[-1] if full else self.config.cache_salt
+        parent = self._names(seq, full)[-1] if full else self._salt(seq.params)
         start = full * self.config.block_size
         return Tail(seq.block_table[full], parent, tuple(seq.token_ids[start:start + partial]))
 

@@ -26,11 +26,12 @@ def make_engine(model_dir: str, cache: bool, blocks: int = 256, host_blocks: int
                                   kv_cache_dtype=kv))
 
 
-def generate(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int = 6
+def generate(engine: LLMEngine, prompts: dict[str, list[int]], max_tokens: int = 6, cache_salt: str | None = None
              ) -> tuple[dict[str, list[int]], dict[str, int]]:
     """Greedy tokens and reported cached tokens of each request, run together to the end."""
     for rid, p in prompts.items():
-        engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        engine.add_request(rid, p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                  cache_salt=cache_salt))
     tokens: dict[str, list[int]] = {rid: [] for rid in prompts}
     cached: dict[str, int] = {}
     for o in engine.run_until_done():
@@ -117,6 +118,32 @@ def test_repeated_prompt_reports_all_but_the_last_block_cached(tiny_llama_dir, l
     assert c1["a"] == 0
     assert c2["b"] == (length - 1) // BS * BS  # whole blocks, and the last token is computed
     assert first["a"] == second["b"]
+
+
+def test_a_cache_salt_shares_cached_blocks_only_with_requests_of_that_salt(tiny_llama_dir):
+    """vLLM's cache_salt: a salted request reuses only what requests with the same salt left,
+    its blocks and its tails (a later turn), and leaves nothing an unsalted or otherwise salted
+    request can reuse; the outputs do not change."""
+    engine = make_engine(tiny_llama_dir, True)
+    prompt = [7 + i % 200 for i in range(22)]
+    full = (len(prompt) - 1) // BS * BS
+    runs = [("a1", "tenant-a", 0), ("b1", "tenant-b", 0), ("plain1", None, 0),
+            ("a2", "tenant-a", full), ("plain2", None, full), ("b2", "tenant-b", full)]
+    outputs = {}
+    for rid, salt, expected in runs:
+        got, cached = generate(engine, {rid: prompt}, cache_salt=salt)
+        assert cached[rid] == expected, rid
+        outputs[rid] = got[rid]
+    assert len(set(map(tuple, outputs.values()))) == 1
+    # a later turn of tenant a's conversation: all its KV (the last block's first tokens from
+    # the tail a2 left) but the answer's last token, under its own salt only
+    turn = prompt + outputs["a2"] + [31, 32, 33]
+    _, cached = generate(engine, {"c": turn}, cache_salt="tenant-c")
+    assert cached["c"] == 0
+    _, cached = generate(engine, {"a3": turn}, cache_salt="tenant-a")
+    assert cached["a3"] == len(prompt) + len(outputs["a2"]) - 1
+    engine.allocator.check_integrity()
+    assert engine.allocator.num_used == 0
 
 
 def test_shared_prefix_in_one_step_and_abort_keep_the_books(tiny_llama_dir):

@@ -35,3 +35,30 @@ def test_a_repeated_prompt_reports_what_it_reused_as_cached(pd_server):
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == reused
+
+
+def test_a_cache_salt_reuses_only_what_its_own_salt_left(pd_server):
+    """vLLM's cache_salt, through the router and both PD workers: a repeat under the same salt
+    reuses the prompt as an unsalted repeat would; under another salt or none, nothing. The
+    Responses API takes it too."""
+    client = openai.OpenAI(base_url=pd_server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+    system = f"Tenant {uuid.uuid4().hex}. " + "You answer in one short sentence. " * 12
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Name a fruit."}]
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                             extra_body=extra)
+        return out.usage.prompt_tokens_details.cached_tokens
+
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0,
+                                           extra_body={"cache_salt": "tenant-a"})
+    n = first.usage.prompt_tokens
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert cached("tenant-b") == 0
+    assert cached(None) == 0
+    assert cached("tenant-a") == (n - 1 if n % BLOCK else n - BLOCK)
+    response = client.responses.create(model=MODEL, input=messages, max_output_tokens=3, temperature=0,
+                                       store=False, extra_body={"cache_salt": "tenant-a"})
+    assert response.usage.input_tokens == n
+    assert response.usage.input_tokens_details.cached_tokens == (n - 1 if n % BLOCK else n - BLOCK)

@@ -42,9 +42,9 @@ def prompt(session: int, blocks: int = 4, extra: int = 5, shared: bool = True) -
     return system + [1000 * (session + 1) + i for i in range((blocks - 2) * BS + extra)]
 
 
-async def admit(adm: Admission, ids: list[int], n: int = 1) -> list:
+async def admit(adm: Admission, ids: list[int], n: int = 1, cache_salt: str | None = None) -> list:
     """Routes of one admitted request; its choices stay on their workers (as registered runs)."""
-    async with adm.admit(n, ids) as ticket:
+    async with adm.admit(n, ids, cache_salt) as ticket:
         routes = [ticket.pick() for _ in range(n)]
     for route in routes:
         for w in route:
@@ -101,6 +101,28 @@ def test_a_shared_system_prompt_is_a_prefix_too():
     a, b = asyncio.run(go())
     assert a.decode is b.decode
     assert adm.routing.decisions == {Reason.PREFIX: 1, Reason.BALANCE: 0, Reason.LOAD: 1}
+
+
+def test_a_salted_prompt_matches_only_what_was_sent_with_its_salt():
+    """The workers name a salted request's blocks under its salt, so the index does too: the
+    same prompt with another salt, or none, holds nothing where the first one went."""
+    ids = list(range(40))
+    assert block_hashes(ids, BS, "a") == block_hashes(ids, BS, "a") != block_hashes(ids, BS)
+    assert not set(block_hashes(ids, BS, "a")) & set(block_hashes(ids, BS, "b"))
+    pool = pool_of(both=2)
+    adm = Admission(pool, AdmissionConfig())
+
+    async def go():
+        a = (await admit(adm, prompt(0), cache_salt="tenant-a"))[0]
+        b = (await admit(adm, prompt(0), cache_salt="tenant-b"))[0]
+        assert b.decode is not a.decode  # nothing of b's is cached anywhere: the least loaded
+        finish(a)
+        finish(b)
+        a.decode.load = Load(running=1)
+        again = (await admit(adm, prompt(0) + [5] * 20, cache_salt="tenant-a"))[0]
+        assert again.decode is a.decode
+    asyncio.run(go())
+    assert adm.routing.decisions == {Reason.PREFIX: 1, Reason.BALANCE: 0, Reason.LOAD: 2}
 
 
 def test_pd_chooses_both_workers_by_prefix():

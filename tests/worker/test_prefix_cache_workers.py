@@ -27,10 +27,11 @@ GREEDY = {"temperature": 0, "max_tokens": 6, "ignore_eos": True}
 BS = 16  # the workers' default block size
 
 
-async def generate(http: httpx.AsyncClient, prefill, decode, rid: str, prompt: list[int]
-                   ) -> tuple[list[int], int, api.Room | None]:
+async def generate(http: httpx.AsyncClient, prefill, decode, rid: str, prompt: list[int],
+                   cache_salt: str | None = None) -> tuple[list[int], int, api.Room | None]:
     """(tokens, cached_tokens, the decode worker's room) of one request, PD when `prefill` is given."""
-    body = api.GenerateRequest(request_id=rid, prompt_ids=prompt, params=api.SamplingParams(**GREEDY))
+    body = api.GenerateRequest(request_id=rid, prompt_ids=prompt,
+                               params=api.SamplingParams(**GREEDY, cache_salt=cache_salt))
     if prefill is not None:
         body.prefill_url, body.prefill_worker_id = prefill.url, prefill.worker_id
     tokens, prefill_call, room = [], None, None
@@ -56,8 +57,12 @@ async def generate(http: httpx.AsyncClient, prefill, decode, rid: str, prompt: l
 
 
 def conversation(prefill, decode, sessions: int = 3, turns: int = 3, seed: int = 0):
-    """Every turn resends the conversation so far; returns (prompt, tokens, cached) per request."""
+    """Every turn resends the conversation so far; returns (prompt, tokens, cached, room) per
+    request, the last session's last prompt sent again last. The last session sends a cache
+    salt (the others share the system prompt's blocks; it reuses only its own). Also returns
+    that repeat under another salt: nothing of it is cached there."""
     rng = random.Random(seed)
+    salts = [None] * (sessions - 1) + [f"tenant-{seed}"]
     system = [rng.randrange(3, 300) for _ in range(50)]
     history = [list(system) for _ in range(sessions)]
     out = []
@@ -68,16 +73,18 @@ def conversation(prefill, decode, sessions: int = 3, turns: int = 3, seed: int =
                 for h in history:
                     h += [rng.randrange(3, 300) for _ in range(rng.randint(4, 12))]
                 prompts = [list(h) for h in history]
-                got = await asyncio.gather(*(generate(http, prefill, decode, f"c{seed}-{s}-{t}", p)
+                got = await asyncio.gather(*(generate(http, prefill, decode, f"c{seed}-{s}-{t}", p, salts[s])
                                              for s, p in enumerate(prompts)))
                 for h, p, (tokens, cached, room) in zip(history, prompts, got):
                     out.append((p, tokens, cached, room))
                     h += tokens
             # the last prompt again: what its first run computed comes from the cache
             p = out[-1][0]
-            out.append((p, *await generate(http, prefill, decode, f"c{seed}-again", p)))
+            out.append((p, *await generate(http, prefill, decode, f"c{seed}-again", p, salts[-1])))
+            stranger.append((p, *await generate(http, prefill, decode, f"c{seed}-stranger", p, "another")))
+    stranger: list = []
     asyncio.run(asyncio.wait_for(go(), 400))
-    return out
+    return out, stranger[0]
 
 
 def reference(model_dir: str, prompts: list[list[int]]) -> list[list[int]]:
@@ -108,6 +115,13 @@ def check(model_dir: str, results, outputs_cached: int) -> None:
     assert cached[-1] == (full * BS if n + outputs_cached >= (full + 1) * BS else n - 1)
 
 
+def check_stranger(results, stranger) -> None:
+    """The last prompt sent again under a salt nobody used: computed whole, the same tokens."""
+    p, tokens, cached, _ = stranger
+    assert p == results[-1][0] and tokens == results[-1][1]
+    assert cached == 0
+
+
 def check_rooms(results) -> None:
     """PD: each room holds the conversation's blocks the decode worker kept (its full blocks
     of earlier prompts and answers) and asks for the rest; the repeat of the last prompt asks
@@ -129,15 +143,19 @@ def test_multiturn_tp2_colocated_and_pd_equal_a_cache_off_engine(tiny_llama4_dir
     both, prefill, decode = workers = ready(*(start_worker(role, tiny_llama4_dir, *flags, wait=False)
                                               for role in ("both", "prefill", "decode")))
     try:
-        check(tiny_llama4_dir, conversation(None, both, seed=1), GREEDY["max_tokens"] - 1)
+        results, stranger = conversation(None, both, seed=1)
+        check(tiny_llama4_dir, results, GREEDY["max_tokens"] - 1)
+        check_stranger(results, stranger)
         assert both.get("/health").status_code == 200  # no divergence was found
         wait_for(lambda: pool_full(both), 20, "pool full")
-        results = conversation(prefill, decode, seed=2)
+        results, stranger = conversation(prefill, decode, seed=2)
         check(tiny_llama4_dir, results, 0)
         check_rooms(results)
+        check_stranger(results, stranger)
+        assert stranger[3].cached_blocks == 0  # the decode worker kept nothing under its salt
         # what the prefill worker sent: the rooms' blocks, not the prompts' (2 layers × K, V × 4 KV
         # heads × 16 dims × fp32 × 16 tokens a block, over both ranks)
-        sent = sum(len(room.blocks) for _, _, _, room in results) * 2 * 2 * 4 * 16 * 4 * BS
+        sent = sum(len(room.blocks) for _, _, _, room in [*results, stranger]) * 2 * 2 * 4 * 16 * 4 * BS
         wait_for(lambda: metric(prefill, "pdserve:kv_transfer_bytes_total") == sent, 20, "the bytes sent")
         assert prefill.get("/health").status_code == 200 and decode.get("/health").status_code == 200
         metrics = prefill.get("/metrics").text
