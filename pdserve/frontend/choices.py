@@ -56,11 +56,15 @@ class Batch:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # with the choice's first batch, if asked
+    # per token: where its parts end in `delta.parts` (parts after the last token's are text
+    # without a token: the decoder's final flush); which token wrote what, for Responses logprobs
+    part_ends: list[int] = field(default_factory=list)
 
     def add(self, token_id: int | None, delta: OutputDelta, logprob: TokenLogprob | None) -> None:
         self.delta.extend(delta)  # in place: a non-streaming choice is one batch of every token
         if token_id is not None:
             self.token_ids.append(token_id)
+            self.part_ends.append(len(self.delta.parts))
         if logprob is not None:
             self.logprobs.append(logprob)
 

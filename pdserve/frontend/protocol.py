@@ -352,6 +352,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the `include` value that asks for logprobs
 # `include` values that change nothing here: the tools they are about are refused, and reasoning
 # items carry their text, never encrypted content (Codex asks for it with every request)
 RESPONSES_INCLUDE_NOOP = frozenset({
@@ -388,8 +389,8 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
-    include: list[str] | None = None
-    top_logprobs: int | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs": the text's tokens' logprobs
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives to each of those
     cache_salt: str | None = None  # vLLM's, as on chat
 
     @model_validator(mode="after")
@@ -399,10 +400,7 @@ class ResponsesRequest(BaseModel):
                              "continue a stored response with previous_response_id")
         if self.background:
             raise ValueError("background responses are not supported")
-        if "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs:
-            raise ValueError("logprobs are not supported here (include message.output_text.logprobs, "
-                             "top_logprobs): /v1/chat/completions returns them")
-        unknown = [v for v in self.include or () if v not in RESPONSES_INCLUDE_NOOP]
+        unknown = [v for v in self.include or () if v not in RESPONSES_INCLUDE_NOOP and v != OUTPUT_LOGPROBS]
         if unknown:
             raise ValueError(f"unknown include value(s): {', '.join(map(repr, unknown))}")
         if isinstance(self.input, str) and not self.input:
@@ -410,6 +408,12 @@ class ResponsesRequest(BaseModel):
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must not be an empty list")
         return self
+
+    @property
+    def output_logprobs(self) -> int | None:
+        """None: no logprobs; N: each output text token's logprob and its N most likely
+        alternatives (`top_logprobs` counts only with the include, as OpenAI's)."""
+        return (self.top_logprobs or 0) if OUTPUT_LOGPROBS in (self.include or ()) else None
 
 
 class MessagesRequest(BaseModel):

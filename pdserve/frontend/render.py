@@ -105,6 +105,15 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
+def token_logprob(tokenizer: Tokenizer, lp: TokenLogprob, n: int) -> dict[str, Any]:
+    """A chat (or Responses) logprob entry: the token, its logprob and bytes, and the `n` most
+    likely tokens likewise."""
+    top = [{"token": token_text(tokenizer, t), "logprob": v, "bytes": list(tokenizer.token_bytes(t))}
+           for t, v in lp.top[:n]]
+    return {"token": token_text(tokenizer, lp.token_id), "logprob": lp.logprob,
+            "bytes": list(tokenizer.token_bytes(lp.token_id)), "top_logprobs": top}
+
+
 def legacy_top(tokenizer: Tokenizer, lp: TokenLogprob, n: int) -> dict[str, float]:
     """A text completion's ``top_logprobs`` entry: the ``n`` most likely tokens and the chosen
     one, which OpenAI always adds (so up to ``n + 1`` entries; ``n = 0`` gives the chosen only)."""
@@ -233,14 +242,7 @@ class ChatRenderer(Renderer):
     def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
         if self.top_logprobs is None:
             return None
-        return {"content": [self._entry(lp) for lp in lps], "refusal": None}
-
-    def _entry(self, lp: TokenLogprob) -> dict[str, Any]:
-        tok = self.tokenizer
-        top = [{"token": token_text(tok, t), "logprob": v, "bytes": list(tok.token_bytes(t))}
-               for t, v in lp.top[: self.top_logprobs]]
-        return {"token": token_text(tok, lp.token_id), "logprob": lp.logprob,
-                "bytes": list(tok.token_bytes(lp.token_id)), "top_logprobs": top}
+        return {"content": [token_logprob(self.tokenizer, lp, self.top_logprobs) for lp in lps], "refusal": None}
 
 
 def _message(c: ChoiceState) -> dict[str, Any]:
@@ -332,8 +334,15 @@ class ItemRenderer(Renderer, ABC):
     def absorb(self, ev: ChoiceEvent) -> list[dict[str, Any]]:
         self._update(ev, "")
         out: list[dict[str, Any]] = []
-        for part in ev.batch.delta.parts if ev.batch is not None else []:
-            out += self._part(part)
+        if ev.batch is not None:  # token by token, each before the parts it wrote
+            batch, start = ev.batch, 0
+            for k, end in enumerate(batch.part_ends):
+                self._token(batch.token_ids[k], batch.logprobs[k] if k < len(batch.logprobs) else None)
+                for part in batch.delta.parts[start:end]:
+                    out += self._part(part)
+                start = end
+            for part in batch.delta.parts[start:]:
+                out += self._part(part)
         if ev.finish_reason is not None:
             out += self._close(final=True)
         return out
@@ -378,6 +387,9 @@ class ItemRenderer(Renderer, ABC):
         return self._closed(index, final)
 
     # ---- the hooks: each returns the stream events it makes ------------------------------------
+
+    def _token(self, token_id: int, logprob: TokenLogprob | None) -> None:
+        """A token comes; the parts it wrote (maybe none yet: text held back) follow."""
 
     @abstractmethod
     def _opened(self, index: int, kind: str) -> list[dict[str, Any]]:

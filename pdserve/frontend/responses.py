@@ -32,10 +32,11 @@ from typing import Any
 
 from pdserve.frontend.errors import APIError, invalid
 from pdserve.frontend.protocol import ChatCompletionRequest, ResponsesRequest
-from pdserve.frontend.render import ItemRenderer
+from pdserve.frontend.render import ItemRenderer, token_logprob
 from pdserve.frontend.response_store import ResponseStore
 from pdserve.parsers import ToolCallStart
 from pdserve.tokenizer import Tokenizer
+from pdserve.worker_api import TokenLogprob
 
 ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text", "text")
@@ -108,6 +109,7 @@ def chat_request(req: ResponsesRequest, before: tuple[dict[str, Any], ...] = ())
         "response_format": _response_format(req.text),
         "reasoning_effort": (req.reasoning or {}).get("effort"),
         "cache_salt": req.cache_salt,
+        "logprobs": req.output_logprobs is not None, "top_logprobs": req.output_logprobs,
     }
     return ChatCompletionRequest.converted(body, {
         "messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format",
@@ -216,6 +218,8 @@ class ResponsesRenderer(ItemRenderer):
         self.items: list[dict[str, Any]] = []  # output items, in the order they opened
         self.sequence = 0
         self.error: APIError | None = None
+        self.logprobs = req.output_logprobs  # None: none; N: the text tokens' and N alternatives each
+        self.held: list[TokenLogprob] = []   # tokens whose text has not come out (yet)
 
     # ---- the Renderer interface --------------------------------------------------------------
 
@@ -253,6 +257,7 @@ class ResponsesRenderer(ItemRenderer):
             "temperature": req.temperature, "top_p": req.top_p, "tools": req.tools or [],
             "tool_choice": req.tool_choice or "auto", "parallel_tool_calls": req.parallel_tool_calls is not False,
             "text": req.text or {"format": {"type": "text"}}, "truncation": req.truncation or "disabled",
+            "top_logprobs": req.top_logprobs,
             "store": self.store is not None, "previous_response_id": req.previous_response_id,
             "metadata": req.metadata or {}, "user": req.user,
             "usage": None if self.status == "in_progress" else {
@@ -276,9 +281,17 @@ class ResponsesRenderer(ItemRenderer):
 
     # ---- items (ItemRenderer's hooks) ---------------------------------------------------------
 
+    def _token(self, token_id: int, logprob: TokenLogprob | None) -> None:
+        """With logprobs, a message's text tokens are the tokens whose text it took: a token
+        waits until text comes out (a character split over tokens, white space the parser holds
+        until it knows what follows) and goes with that text; tokens that wrote reasoning or a
+        call, and markers (special tokens), are not the message's."""
+        if self.logprobs is not None and logprob is not None and not self.tokenizer.is_special(token_id):
+            self.held.append(logprob)
+
     def _opened(self, index: int, kind: str) -> list[dict[str, Any]]:
         if kind == "text":
-            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": []}
+            part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             self.items.append({"type": "message", "id": _item_id("msg"), "status": "in_progress",
                                "role": "assistant", "content": [part]})
         else:
@@ -291,19 +304,24 @@ class ResponsesRenderer(ItemRenderer):
     def _text(self, index: int, text: str) -> list[dict[str, Any]]:
         item = self.items[index]
         item["content"][0]["text"] += text
+        taken, self.held = self.held, []
         if item["type"] == "message":
+            logprobs = [token_logprob(self.tokenizer, lp, self.logprobs or 0) for lp in taken]
+            item["content"][0]["logprobs"] += logprobs
             return [self._event("response.output_text.delta", item_id=item["id"], output_index=index,
-                                content_index=0, delta=text, logprobs=[])]
+                                content_index=0, delta=text, logprobs=[_event_logprob(e) for e in logprobs])]
         return [self._event("response.reasoning_text.delta", item_id=item["id"], output_index=index,
                             content_index=0, delta=text)]
 
     def _call_opened(self, index: int, call: ToolCallStart) -> list[dict[str, Any]]:
+        self.held = []
         self.items.append({"type": "function_call", "id": _item_id("fc"), "call_id": call.id, "name": call.name,
                            "arguments": "", "status": "in_progress"})
         return [self._added(index)]
 
     def _call_args(self, index: int, fragment: str) -> list[dict[str, Any]]:
         item = self.items[index]
+        self.held = []
         item["arguments"] += fragment
         return [self._event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
                             delta=fragment)]
@@ -329,7 +347,7 @@ class ResponsesRenderer(ItemRenderer):
         else:
             part = item["content"][0]
             name = "response.output_text.done" if item["type"] == "message" else "response.reasoning_text.done"
-            extra = {"logprobs": []} if item["type"] == "message" else {}
+            extra = {"logprobs": [_event_logprob(e) for e in part["logprobs"]]} if item["type"] == "message" else {}
             out += [self._event(name, item_id=item["id"], output_index=index, content_index=0, text=part["text"],
                                 **extra),
                     self._event("response.content_part.done", item_id=item["id"], output_index=index,
@@ -345,6 +363,12 @@ class ResponsesRenderer(ItemRenderer):
     def _event(self, kind: str, **fields: Any) -> dict[str, Any]:
         self.sequence += 1
         return {"type": kind, "sequence_number": self.sequence - 1, **fields}
+
+
+def _event_logprob(entry: dict[str, Any]) -> dict[str, Any]:
+    """A logprob as the text delta and done events give it: the output part's, without bytes."""
+    return {"token": entry["token"], "logprob": entry["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in entry["top_logprobs"]]}
 
 
 def _item_id(prefix: str) -> str:

@@ -11,6 +11,7 @@ from pdserve.frontend.protocol import ChatCompletionRequest, ResponsesRequest
 from pdserve.frontend.response_store import ResponseStore
 from pdserve.frontend.responses import ResponsesRenderer, chat_request, history, resolve_references
 from pdserve.parsers import ContentDelta, InvalidCall, ReasoningDelta, ToolCallArgs, ToolCallEnd, ToolCallStart
+from pdserve.worker_api import TokenLogprob
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}, "strict": True}
@@ -110,7 +111,7 @@ def test_events_open_one_item_per_run_in_the_order_the_model_wrote_them():
     assert events[-1]["response"] == final
     reasoning, message, call = final["output"]
     assert reasoning["content"] == [{"type": "reasoning_text", "text": "Thinking."}]
-    assert message["content"] == [{"type": "output_text", "text": "Let me check.", "annotations": []}]
+    assert message["content"] == [{"type": "output_text", "text": "Let me check.", "annotations": [], "logprobs": []}]
     assert {k: call[k] for k in ("type", "call_id", "name", "arguments", "status")} == {
         "type": "function_call", "call_id": "call_a", "name": "get_weather", "arguments": '{"city": "Oslo"}',
         "status": "completed"}
@@ -118,6 +119,51 @@ def test_events_open_one_item_per_run_in_the_order_the_model_wrote_them():
     assert final["status"] == "completed" and final["incomplete_details"] is None
     assert final["usage"] == {"input_tokens": 12, "input_tokens_details": {"cached_tokens": 4}, "output_tokens": 5,
                               "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 17}
+
+
+def test_logprobs_go_with_the_text_their_tokens_wrote(tokenizer):
+    """A message's logprobs are its text's tokens: a token whose text was held back goes with
+    the text when it comes out; tokens of reasoning and calls, markers, and white space the
+    parser dropped before a call are not the message's. Streamed in the text deltas (without
+    bytes), in full in the output part."""
+    req = ResponsesRequest.model_validate({"input": "x", "tools": [WEATHER], "top_logprobs": 1,
+                                           "include": ["message.output_text.logprobs"]})
+    assert chat_request(req).logprobs and chat_request(req).top_logprobs == 1
+    r = ResponsesRenderer("resp_1", "m", 12, tokenizer, req)
+    ids = iter(range(100, 200))
+    special = tokenizer.token_to_id("<|im_end|>")
+    assert tokenizer.is_special(special)
+    # (token id, the parts its push gave) as a parsed decoder gives them, batched as streamed
+    script = [
+        [(special, []), (next(ids), [ReasoningDelta("Hmm.")]), (special, [])],   # <think> Hmm. </think>
+        [(next(ids), []), (next(ids), [ContentDelta("\n\nHi")])],               # a newline held, then text
+        [(next(ids), []), (next(ids), [ContentDelta("é")]), (next(ids), [])],     # é in two tokens; a held newline
+        [(special, [ToolCallStart(0, "call_a", "get_weather")]), (next(ids), [ToolCallArgs(0, "{}")])],
+    ]
+    events = []
+    for tokens in script:
+        batch = Batch()
+        for token_id, parts in tokens:
+            batch.add(token_id, OutputDelta(parts=parts),
+                      TokenLogprob(token_id=token_id, logprob=-0.5, top=[(token_id, -0.5), (7, -1.0)]))
+        events += r.absorb(ChoiceEvent(0, batch, None, None, 0))
+    batch = Batch()
+    batch.add(None, OutputDelta(parts=[ToolCallEnd(0, True)]), None)
+    events += r.absorb(ChoiceEvent(0, batch, "tool_calls", None, 10))
+    text = [tokenizer.token_bytes(t).decode("utf-8", errors="replace") for t in (101, 102, 103, 104)]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [d["delta"] for d in deltas] == ["\n\nHi", "é"]
+    assert [[lp["token"] for lp in d["logprobs"]] for d in deltas] == [text[:2], text[2:]]
+    assert deltas[0]["logprobs"][0] == {"token": text[0], "logprob": -0.5, "top_logprobs": [
+        {"token": text[0], "logprob": -0.5}]}
+    part = r.response()["output"][1]["content"][0]
+    assert [lp["token"] for lp in part["logprobs"]] == text
+    assert part["logprobs"][3] == {"token": text[3], "logprob": -0.5, "bytes": list(tokenizer.token_bytes(104)),
+                                   "top_logprobs": [{"token": text[3], "logprob": -0.5,
+                                                     "bytes": list(tokenizer.token_bytes(104))}]}
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert done["logprobs"] == deltas[0]["logprobs"] + deltas[1]["logprobs"]
+    assert r.response()["top_logprobs"] == 1
 
 
 def test_a_cut_output_is_incomplete_and_an_invalid_call_is_never_a_call_to_run():

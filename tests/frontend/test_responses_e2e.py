@@ -67,6 +67,42 @@ def test_a_streamed_response_is_the_same_response(client):
     assert final.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_logprobs_are_the_chat_completions_logprobs_of_the_same_tokens(client):
+    """`include: ["message.output_text.logprobs"]`: the text's tokens, each with its logprob and
+    `top_logprobs` alternatives, as chat completions give them for the same greedy answer
+    (this model has no reasoning or call markup, so every output token but the end of turn is
+    text; logprobs agree to a few 1e-4: the two prompts ran in differently shaped steps);
+    streamed, the deltas carry the same ones."""
+    include = ["message.output_text.logprobs"]
+    r = client.responses.create(model=MODEL, input="Name three colors.", max_output_tokens=30, temperature=0,
+                                include=include, top_logprobs=2)
+    c = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name three colors."}],
+                                       max_tokens=30, temperature=0, logprobs=True, top_logprobs=2)
+    [part] = r.output[0].content
+    *expected, end = c.choices[0].logprobs.content
+    assert c.choices[0].finish_reason == "stop" and end.token == "<|im_end|>"  # a marker: not the text's
+    assert part.text == c.choices[0].message.content and len(part.logprobs) == len(expected) > 5
+    assert b"".join(bytes(lp.bytes) for lp in part.logprobs).decode() == part.text
+    for ours, theirs in zip(part.logprobs, expected):
+        assert (ours.token, ours.bytes) == (theirs.token, theirs.bytes)
+        assert ours.logprob == pytest.approx(theirs.logprob, abs=5e-3)
+        assert [t.token for t in ours.top_logprobs] == [t.token for t in theirs.top_logprobs]
+        assert [t.logprob for t in ours.top_logprobs] == pytest.approx([t.logprob for t in theirs.top_logprobs],
+                                                                      abs=5e-3)
+    assert r.top_logprobs == 2
+    with client.responses.stream(model=MODEL, input="Name three colors.", max_output_tokens=30, temperature=0,
+                                 include=include, top_logprobs=2) as stream:
+        events = list(stream)
+    streamed = [lp for e in events if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [lp.token for lp in streamed] == [lp.token for lp in part.logprobs]
+    assert [lp.logprob for lp in streamed] == pytest.approx([lp.logprob for lp in part.logprobs], abs=5e-3)
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert [lp.token for lp in done.logprobs] == [lp.token for lp in part.logprobs]
+    plain = client.responses.create(model=MODEL, input="Name three colors.", max_output_tokens=30, temperature=0,
+                                    top_logprobs=2)  # alternatives without the include: none, as OpenAI's
+    assert plain.output[0].content[0].logprobs == []
+
+
 def test_the_stream_is_typed_events_with_no_done_marker(pd_server):
     body = {"model": MODEL, "input": "Say hi", "max_output_tokens": 8, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{pd_server.v1}/responses", json=body, timeout=120,
