@@ -100,6 +100,10 @@ class SamplingParams:
     # blocks only with requests that send the same salt (tenants cannot time each other's
     # prompts); None: the worker's shared chain
     cache_salt: str | None = None
+    # vLLM's priority: lower is sooner. A worker starts waiting requests and preempts running
+    # ones in its order (FIFO among equals); the router's queue honours it under
+    # --scheduling-policy priority, and otherwise sends 0
+    priority: int = 0
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field."""

@@ -9,7 +9,11 @@ admitted for it and not yet started) stay under its capacity: ``--worker-capacit
 requests waiting with no free KV block. ``--max-running`` bounds the router as a whole.
 
 A request that finds no room joins a FIFO queue of at most ``--max-queue`` requests; only the
-head is admitted (a large request is not overtaken by small ones forever). Room is looked for
+head is admitted (a large request is not overtaken by small ones forever). With
+``--scheduling-policy priority`` the queue is ordered by each request's ``priority`` (lower first,
+vLLM's convention; FIFO among equals): a request goes before every waiting one of a larger
+priority, and when the queue is full it takes the place of the last waiting one of a larger
+priority, which gets the 429. Room is looked for
 again whenever a request leaves a worker, a probe reports, or the pool's watch ticks. After
 ``--queue-timeout`` seconds in the queue, or at once when the queue is full, the request gets
 429 with ``Retry-After``. When no worker of a needed role is alive at all (all refused, failed,
@@ -38,6 +42,7 @@ from pdserve.worker_api import Role
 
 logger = logging.getLogger(__name__)
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
 QUEUE_FACTOR = 2          # a worker may hold this many times its max_num_seqs (one batch waits)
 FALLBACK_CAPACITY = 64    # a worker that reports no max_num_seqs
 
@@ -59,9 +64,13 @@ class AdmissionConfig:
     max_running: int | None = None       # choices running router-wide (None: the workers' sum)
     retry_after_s: int = 2               # what a 429 tells the client
     routing: str = Policy.CACHE_AWARE.value  # --routing: cache-aware | least-loaded (routing.py)
+    scheduling_policy: str = "fcfs"      # --scheduling-policy: fcfs | priority (requests' `priority`)
 
     def __post_init__(self) -> None:
         Policy(self.routing)  # a ValueError names the unknown policy
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"unknown scheduling policy {self.scheduling_policy!r}: "
+                             f"one of {', '.join(SCHEDULING_POLICIES)}")
         if self.max_queue < 0 or self.queue_timeout_s < 0:
             raise ValueError("--max-queue and --queue-timeout must be >= 0")
         for name in ("worker_capacity", "max_running"):
@@ -107,6 +116,7 @@ class _Waiter:
     since: float
     key: PromptKey | None
     allowed: Callable[[WorkerEndpoint], bool] | None
+    priority: int = 0  # lower goes first (--scheduling-policy priority)
     future: asyncio.Future[list[Route]] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
@@ -175,17 +185,18 @@ class Admission:
 
     @asynccontextmanager
     async def admit(self, n: int = 1, prompt_ids: Sequence[int] | None = None,
-                    cache_salt: str | None = None) -> AsyncIterator[Ticket]:
+                    cache_salt: str | None = None, priority: int = 0) -> AsyncIterator[Ticket]:
         """Wait (bounded) for room for `n` choices of the prompt `prompt_ids` (the routing key,
-        with the request's `cache_salt`, under which the workers cache it); inside the block, pick their routes from the ticket and register the choices on their
-        workers; the reservations end with the block. Raises the 429 (or 503) APIError when
-        refused."""
-        async with self._admitted(n, prompt_ids, cache_salt, None) as ticket:
+        with the request's `cache_salt`, under which the workers cache it), queued by
+        `priority` under the priority policy; inside the block, pick their routes from the
+        ticket and register the choices on their workers; the reservations end with the block.
+        Raises the 429 (or 503) APIError when refused."""
+        async with self._admitted(n, prompt_ids, cache_salt, priority, None) as ticket:
             yield ticket
 
     @asynccontextmanager
     async def readmit(self, failed: Route, prompt_ids: Sequence[int],
-                      cache_salt: str | None = None) -> AsyncIterator[Ticket]:
+                      cache_salt: str | None = None, priority: int = 0) -> AsyncIterator[Ticket]:
         """Room for one choice that `failed`, to run it again (from the start or from its last
         token), admitted like a new request (it may wait for a restarting worker, and gets 429
         or 503 as one would). A worker of the failed route takes it only once it answered a probe asked after
@@ -195,13 +206,14 @@ class Admission:
         since = self.pool.clock()
         suspects = [w for w in failed if w is not None]
         await self.pool.recheck(suspects)
-        async with self._admitted(1, prompt_ids, cache_salt, lambda w: w not in suspects or w.ok_asked_at >= since) as ticket:
+        async with self._admitted(1, prompt_ids, cache_salt, priority, lambda w: w not in suspects or w.ok_asked_at >= since) as ticket:
             yield ticket
 
     @asynccontextmanager
-    async def _admitted(self, n: int, prompt_ids: Sequence[int] | None, cache_salt: str | None,
+    async def _admitted(self, n: int, prompt_ids: Sequence[int] | None, cache_salt: str | None, priority: int,
                         allowed: Callable[[WorkerEndpoint], bool] | None) -> AsyncIterator[Ticket]:
-        routes = await self._wait(n, PromptKey(prompt_ids, cache_salt) if prompt_ids else None, allowed)
+        key = PromptKey(prompt_ids, cache_salt) if prompt_ids else None
+        routes = await self._wait(_Waiter(n, self.clock(), key, allowed, self._priority(priority)))
         try:
             yield Ticket(routes)
         finally:
@@ -209,27 +221,29 @@ class Admission:
                 _reserve(route, -1)
             self.wake()
 
-    async def _wait(self, n: int, key: PromptKey | None,
-                    allowed: Callable[[WorkerEndpoint], bool] | None) -> list[Route]:
+    def _priority(self, priority: int) -> int:
+        return priority if self.config.scheduling_policy == "priority" else 0
+
+    async def _wait(self, waiter: _Waiter) -> list[Route]:
+        n = waiter.n
         cap = self.config.max_running
         if cap is not None and n > cap:
             self.stats.reject(Rejection.TOO_LARGE)
             raise overloaded(f"The request needs {n} sequences; this server runs at most {cap} at once.",
                              self.config.retry_after_s)
-        if not self._queue:
-            routes = self._take(n, key, allowed)
+        if not self._queue or self._queue[0].priority > waiter.priority:  # it would be the head
+            routes = self._take(n, waiter.key, waiter.allowed)
             if routes is not None:
                 self.stats.waited(0.0)
                 return routes
         if not self._alive():
             self.stats.reject(Rejection.NO_WORKER)
             raise _no_worker()
-        if len(self._queue) >= self.config.max_queue:
+        if len(self._queue) >= self.config.max_queue and not self._displace(waiter.priority):
             self.stats.reject(Rejection.QUEUE_FULL)
             raise overloaded(f"The server is overloaded: {len(self._queue)} requests are already "
                              "waiting. Retry later.", self.config.retry_after_s)
-        waiter = _Waiter(n, self.clock(), key, allowed)
-        self._queue.append(waiter)
+        self._enqueue(waiter)
         try:
             await asyncio.wait({waiter.future}, timeout=self.config.queue_timeout_s)
         except asyncio.CancelledError:  # the client left while queued
@@ -248,6 +262,26 @@ class Admission:
                        self.clock() - waiter.since, len(self._queue))
         raise overloaded(f"The server is overloaded: no room for the request within "
                          f"{self.config.queue_timeout_s:g} s. Retry later.", self.config.retry_after_s)
+
+    def _enqueue(self, waiter: _Waiter) -> None:
+        """Behind every waiting request of its priority or a smaller one (all of them under fcfs)."""
+        at = len(self._queue)
+        while at > 0 and self._queue[at - 1].priority > waiter.priority:
+            at -= 1
+        self._queue.insert(at, waiter)
+
+    def _displace(self, priority: int) -> bool:
+        """The queue is full: refuse its last request if it waits with a larger priority than
+        `priority` (its place goes to the newcomer); False when none does."""
+        if not self._queue or self._queue[-1].priority <= priority:
+            return False
+        last = self._queue.pop()
+        if not last.future.done():
+            self.stats.reject(Rejection.QUEUE_FULL)
+            last.future.set_exception(overloaded(
+                "The server is overloaded: a request of a higher priority took this one's place in the "
+                "queue. Retry later.", self.config.retry_after_s))
+        return True
 
     def _leave(self, waiter: _Waiter) -> None:
         """Take `waiter` out of the queue; routes it was given meanwhile go back."""

@@ -136,8 +136,8 @@ class Placer(Protocol):
     """Where a choice may run again: the failed route's workers looked at anew, then a route
     admitted as for a new request (admission.py). `pick()` on what it yields gives the route."""
 
-    def readmit(self, failed: Route, prompt_ids: Sequence[int],
-                cache_salt: str | None = None) -> AbstractAsyncContextManager[Any]: ...
+    def readmit(self, failed: Route, prompt_ids: Sequence[int], cache_salt: str | None = None,
+                priority: int = 0) -> AbstractAsyncContextManager[Any]: ...
 
 
 @dataclass
@@ -295,7 +295,7 @@ class ChoiceRun:
         logger.warning("[%s] %s failed after %d token(s) (%s); going on as %s", self.spec.request_id,
                        route_text(failed), len(self.output_ids), error.message, self.rid)
         try:
-            async with placer.readmit(failed, self.prompt_ids, self.params.cache_salt) as ticket:
+            async with placer.readmit(failed, self.prompt_ids, self.params.cache_salt, self.params.priority) as ticket:
                 self._enter(ticket.pick())
         except APIError as refused:
             logger.warning("[%s] no route to run it again: %s", self.spec.request_id, refused.message)

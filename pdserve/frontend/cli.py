@@ -92,6 +92,10 @@ def add_admission_flags(p: argparse.ArgumentParser) -> None:
                    help="which worker gets a request: cache-aware (default: the one most likely to hold "
                         "its prompt's prefix in its KV cache, unless it is much busier than another), or "
                         "least-loaded (docs/prefix-cache.md)")
+    a.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                   help="fcfs (default: requests wait for room in arrival order, and a request's priority "
+                        "other than 0 is a 400) or priority (vLLM's: lower priority values go first, in "
+                        "the router's queue and on the workers)")
     a.add_argument("--slow-after", type=float, default=3.0, metavar="S",
                    help="a worker silent this long gets no new requests; those on it go on")
     a.add_argument("--dead-after", type=float, default=30.0, metavar="S",
@@ -160,6 +164,7 @@ def router_config(args: argparse.Namespace, model_dir: Path, prefill: list[str],
                         max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                         worker_capacity=args.worker_capacity, max_running=args.max_running,
                         routing=getattr(args, "routing", "cache-aware"),
+                        scheduling_policy=args.scheduling_policy,
                         slow_after_s=args.slow_after, dead_after_s=args.dead_after,
                         retries=args.retries, internal_token=internal_token(args),
                         responses_store=args.responses_store)

@@ -2,7 +2,8 @@
 
 Field bounds follow the OpenAI API reference; the extras vLLM accepts in the body (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``cache_salt``) are accepted too, as are
+``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``cache_salt``, ``priority``) are
+accepted too, as are
 SGLang's ``separate_reasoning`` and ``chat_template_kwargs``. Unknown fields are ignored. Tools
 are checked for shape here and kept as sent; what they mean for the prompt and the output is in
 ``tools``. Checks that need the tokenizer or the context length (token ids, logit-bias ids,
@@ -90,6 +91,7 @@ class GenerationFields(BaseModel):
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # only these are sampled
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)  # never written (bad_words_ids)
     cache_salt: str | None = Field(None, min_length=1)  # shares cached prefixes only with the same salt
+    priority: int = Field(0, ge=-(2**31), lt=2**31)  # lower is sooner (--scheduling-policy priority)
     # vLLM's structured outputs (pdserve.structured.spec reads them; one constraint per request)
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None
@@ -392,6 +394,7 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None  # "message.output_text.logprobs": the text's tokens' logprobs
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives to each of those
     cache_salt: str | None = None  # vLLM's, as on chat
+    priority: int = 0              # vLLM's, as on chat
 
     @model_validator(mode="after")
     def _supported(self) -> ResponsesRequest:

@@ -323,6 +323,7 @@ def sampling_params(req: GenerationFields, max_tokens: int, logprobs: int | None
         stop=req.stop_list(),
         logprobs=logprobs,
         cache_salt=req.cache_salt,
+        priority=req.priority,
     )
     try:
         params.validate()
@@ -358,12 +359,16 @@ async def respond(s: Serving, call: Call, specs: list[ChoiceSpec],
                   make_decoder: Callable[[ChoiceSpec], OutputDecoder], renderer: Renderer, stream: bool) -> Response:
     if s.calls.closing:  # the drain timeout passed while this request was being read
         raise unavailable("The server is shutting down; retry the request.")
+    params = specs[0].params if specs else None
+    if params is not None and params.priority and s.config.scheduling_policy != "priority":
+        raise invalid("priority is not honoured by this server: start it with --scheduling-policy priority "
+                      "(or leave priority at 0)", "priority")
     batch = s.config.stream_batch if stream else 1 << 30
     if s.admission is None:
         gen = Generation(specs, make_decoder, s.pool, s.services, batch)  # 503 before start
     else:
         # waits for room; 429 when there is none. The prompt is the routing key (routing.py).
-        key = (specs[0].prompt_ids, specs[0].params.cache_salt) if specs else (None, None)
+        key = (specs[0].prompt_ids, params.cache_salt, params.priority) if params else (None, None, 0)
         async with s.admission.admit(len(specs), *key) as ticket:
             gen = Generation(specs, make_decoder, ticket, s.services, batch)
     logger.info("[%s] %s: %d choice(s), %d prompt tokens, stream=%s, workers %s", call.request_id,

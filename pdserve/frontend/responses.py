@@ -108,7 +108,7 @@ def chat_request(req: ResponsesRequest, before: tuple[dict[str, Any], ...] = ())
         "tool_choice": _chat_tool_choice(req.tool_choice),
         "response_format": _response_format(req.text),
         "reasoning_effort": (req.reasoning or {}).get("effort"),
-        "cache_salt": req.cache_salt,
+        "cache_salt": req.cache_salt, "priority": req.priority,
         "logprobs": req.output_logprobs is not None, "top_logprobs": req.output_logprobs,
     }
     return ChatCompletionRequest.converted(body, {

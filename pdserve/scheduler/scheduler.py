@@ -14,7 +14,11 @@ the blocks the plan counted on cannot be evicted under it. Evictions happen only
 Admission (who starts running) leaves a reserve of one block per running stream for their
 growth, and wants the whole prompt's blocks at once; when running streams need blocks anyway,
 the most recently admitted is preempted first, and a request alone in the running batch is
-never preempted (it waits for held rooms to give blocks back instead).
+never preempted (it waits for held rooms to give blocks back instead). A request's `priority`
+(vLLM's; 0 unless the router runs the priority policy) orders both: waiting requests start in
+priority order, running ones are served and kept in it (the smaller first; arrival order among
+equals), so a preemption takes the newest of the largest priority, never one of a smaller
+priority than the request that needs the blocks.
 
 Step budget (`_Budget`, docs/step-budget.md): a step computes at most
 `max_num_batched_tokens` tokens; if any request samples in it (a decode, or a prompt's last
@@ -161,6 +165,7 @@ class _Slot:
     blocks: list[int]
     prompt: list[int] | None = None  # an admitted request not yet a Sequence
     salt: BlockHash = b""  # an admitted request's chain start (a Sequence's comes from its params)
+    priority: int = 0      # the request's: lower starts sooner and is preempted later
     computes_all: bool = False  # wants its prompt's logprobs: every position computed, no cache hit
 
 
@@ -339,18 +344,24 @@ class Scheduler:
         cfg = self.config
         grown = {s.request_id for s in sampled}
         running: list[_Slot] = [
-            _Slot(seq, seq.request_id, seq.num_computed, self._pending(seq, grown), seq.block_table)
+            _Slot(seq, seq.request_id, seq.num_computed, self._pending(seq, grown), seq.block_table,
+                  priority=seq.params.priority)
             for seq in self.running if seq.request_id not in gone]
         for tok in arrived:  # decode rooms whose KV landed: the prompt is cached, one token pending
             seq = self.held[tok.request_id]
-            running.append(_Slot(seq, seq.request_id, len(seq.prompt_ids), 1, seq.block_table))
+            running.append(_Slot(seq, seq.request_id, len(seq.prompt_ids), 1, seq.block_table,
+                                 priority=seq.params.priority))
         late = grown if self.config.overlap else set()  # overlap: a preempted request's last token
         waiting = [_Slot(seq, seq.request_id, 0, seq.num_tokens + (seq.request_id in late), [],
-                         computes_all=seq.wants_prompt_logprobs)
+                         priority=seq.params.priority, computes_all=seq.wants_prompt_logprobs)
                    for seq in self.waiting if seq.request_id not in gone and not self._unresolved(seq, grown)]
         waiting += [_Slot(None, r.request_id, 0, len(r.prompt_ids), [], r.prompt_ids, self._salt(r.params),
-                          computes_all=r.params.prompt_logprobs is not None)
+                          r.params.priority, computes_all=r.params.prompt_logprobs is not None)
                     for r in admitted if r.kv is not KVRole.DECODE]
+        # vLLM's priority: the smaller first, in the order they came among equals (stable sorts);
+        # the last running slot is the first preempted
+        running.sort(key=lambda s: s.priority)
+        waiting.sort(key=lambda s: s.priority)
 
         batch, preempted = [], []
         budget = _Budget(cfg.max_num_batched_tokens, cfg.max_prefill_tokens,
@@ -364,7 +375,7 @@ class Scheduler:
             scheduled.add(slot.request_id)
             need = self._blocks_for(slot.num_computed + n) - len(slot.blocks)
             stalled = False
-            while need > books.free:  # preempt the newest running request (recomputed later)
+            while need > books.free:  # preempt the newest of the largest priority (recomputed later)
                 if len(running) == 1 and running[0] is slot:  # alone: preempting it frees nothing another could use
                     stalled = True
                     break

@@ -86,6 +86,7 @@ def bad_input_cases(max_body: int) -> list[Case]:
         Case("allowed_token_ids_empty", CHAT, body=chat(allowed_token_ids=[]), param="allowed_token_ids"),
         Case("bad_words_blank", CHAT, body=chat(bad_words=["ok", " "]), param="bad_words"),
         Case("cache_salt_empty", CHAT, body=chat(cache_salt=""), param="cache_salt"),
+        Case("priority_without_the_priority_policy", CHAT, body=chat(priority=1), param="priority"),
         Case("responses_cache_salt_empty", RESPONSES, body=response(cache_salt=""), param="cache_salt"),
         Case("bad_words_too_many", COMPLETIONS, body=completion(bad_words=[f"w{i}" for i in range(129)]),
              param="bad_words"),

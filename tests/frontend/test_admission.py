@@ -77,9 +77,9 @@ def admission(pool: WorkerPool, **kw) -> Admission:
     return Admission(pool, AdmissionConfig(**{"max_queue": 4, "queue_timeout_s": 5.0, **kw}))
 
 
-async def hold(adm: Admission, n: int = 1) -> list[Victim]:
+async def hold(adm: Admission, n: int = 1, priority: int = 0) -> list[Victim]:
     """Admit `n` choices and register them on their workers, as a Generation does."""
-    async with adm.admit(n) as ticket:
+    async with adm.admit(n, priority=priority) as ticket:
         victims = []
         for _ in range(n):
             route = ticket.pick()
@@ -216,3 +216,66 @@ def test_a_kv_pool_exhausted_with_requests_waiting_has_no_room():
     assert adm.has_room(decode)
     decode.load = Load(waiting=1, running=2, free_blocks=0, total_blocks=64)
     assert not adm.has_room(decode)
+
+
+async def until(condition, turns: int = 1000) -> None:
+    """Let the event loop run until `condition()` holds."""
+    for _ in range(turns):
+        if condition():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("the condition never held")
+
+
+def test_priority_orders_the_queue_and_takes_the_place_of_a_larger_one_in_a_full_queue():
+    """--scheduling-policy priority: a request goes before the waiting ones of a larger priority
+    (arrival order among equals); in a full queue it takes the place of the last waiting one of a
+    larger priority, which gets the 429; one of no smaller priority gets the 429 itself."""
+    async def scenario() -> None:
+        pool = pool_of(max_num_seqs=1)
+        adm = admission(pool, max_queue=3, scheduling_policy="priority")
+        held = await hold(adm, 2)  # full
+        order: list[str] = []
+
+        async def wait(name: str, priority: int) -> None:
+            got = await hold(adm, 1, priority)
+            order.append(name)
+            release(got)
+
+        tasks = {}
+        for name, priority in (("low", 5), ("mid", 1), ("low-2", 5)):
+            tasks[name] = asyncio.create_task(wait(name, priority))
+            await until(lambda: adm.queued == len(tasks))
+        with pytest.raises(APIError) as same:  # no waiting request of a larger priority than 5
+            await hold(adm, 1, 5)
+        tasks["high"] = asyncio.create_task(wait("high", -1))
+        await until(lambda: tasks["low-2"].done())
+        assert same.value.status == 429 and tasks["low-2"].exception().status == 429
+        assert adm.queued == 3 and adm.stats.rejected[Rejection.QUEUE_FULL] == 2
+        release(held)
+        await asyncio.wait_for(asyncio.gather(tasks["high"], tasks["mid"], tasks["low"]), 5)
+        assert order == ["high", "mid", "low"] and adm.queued == 0
+
+    asyncio.run(scenario())
+
+
+def test_under_fcfs_the_queue_keeps_arrival_order_whatever_the_priority():
+    async def scenario() -> None:
+        pool = pool_of(max_num_seqs=1)
+        adm = admission(pool)
+        held = await hold(adm, 2)
+        order: list[str] = []
+
+        async def wait(name: str, priority: int) -> None:
+            release(await hold(adm, 1, priority))
+            order.append(name)
+
+        tasks = []
+        for name, priority in (("a", 5), ("b", -1)):
+            tasks.append(asyncio.create_task(wait(name, priority)))
+            await until(lambda: adm.queued == len(tasks))
+        release(held)
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        assert order == ["a", "b"]
+
+    asyncio.run(scenario())

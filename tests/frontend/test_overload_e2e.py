@@ -98,3 +98,49 @@ def test_overload_at_4x_capacity_excess_gets_429_in_bound_admitted_ones_complete
         assert rejected == len(refused)
     finally:
         stop_children([router])
+
+
+def queue_length(url: str) -> float:
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    return next(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+                if line.startswith("pdserve:admission_queue_length"))
+
+
+def test_priority_policy_admits_a_smaller_priority_first(guarded_worker, default_model_dir):
+    """--scheduling-policy priority with room for one request: while one runs, a request of
+    priority 5 and then one of priority -1 queue; the second runs first."""
+    router = start("router", ["--model", default_model_dir, "--worker", guarded_worker.url,
+                              "--internal-token", TOKEN, "--max-running", "1", "--scheduling-policy", "priority"])
+
+    async def scenario() -> list[str]:
+        done: list[str] = []
+
+        async def ask(http: httpx.AsyncClient, name: str, priority: int, first: asyncio.Event | None = None) -> None:
+            body = {"messages": [{"role": "user", "content": f"Count for {name}."}], "max_tokens": MAX_TOKENS,
+                    "temperature": 0, "ignore_eos": True, "stream": True, "priority": priority}
+            async with http.stream("POST", CHAT, json=body) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in r.aiter_lines():
+                    if first is not None and line.startswith("data: {"):
+                        first.set()
+            done.append(name)
+
+        async with httpx.AsyncClient(base_url=router.url, timeout=300) as http:
+            running = asyncio.Event()
+            tasks = [asyncio.create_task(ask(http, "running", 0, running))]
+            await running.wait()  # it holds the one place
+            for name, priority, queued in (("low", 5, 1), ("high", -1, 2)):
+                tasks.append(asyncio.create_task(ask(http, name, priority)))
+                while await asyncio.to_thread(queue_length, router.url) < queued:
+                    await asyncio.sleep(0.05)  # polls the router's own count
+            await asyncio.wait_for(asyncio.gather(*tasks), 200)
+        return done
+
+    try:
+        assert asyncio.run(scenario()) == ["running", "high", "low"]
+        fcfs = httpx.post(guarded_worker.url + "/generate", timeout=10, json={
+            "request_id": "direct", "prompt_ids": [1, 2], "params": {"max_tokens": 1, "priority": 3}},
+            headers={"Authorization": f"Bearer {TOKEN}"})
+        assert fcfs.status_code == 200  # the worker takes any priority: the router decides
+    finally:
+        stop_children([router])

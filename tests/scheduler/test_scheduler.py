@@ -131,3 +131,46 @@ def test_an_aborted_decode_room_frees_its_blocks_when_its_kv_lands_late(ending):
     assert outputs == [] and batch == [] and not s.has_work()
     assert s.allocator.num_used == 0
     s.allocator.check_integrity()
+
+
+def preq(rid: str, n: int, priority: int, max_tokens: int = 4) -> NewRequest:
+    return NewRequest(rid, list(range(10, 10 + n)), SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                   priority=priority))
+
+
+def run_to_end(s: Scheduler, *inboxes: Inbox, steps: int = 200) -> tuple[list[str], list[str]]:
+    """Step until nothing is left, step i draining `inboxes[i]`; (request ids in the order they
+    first ran, preempted ids)."""
+    started, preempted, sampled = [], [], []
+    for step in range(steps):
+        plan = s.plan(step, inboxes[step] if step < len(inboxes) else Inbox(), sampled)
+        started += [c.request_id for c in plan.batch if c.request_id not in started]
+        preempted += plan.preempted
+        _, batch = s.apply(plan)
+        s.allocator.check_integrity()
+        sampled = [SampledToken(q.request_id, 5) for q, start, n in batch if start + n == q.num_tokens]
+        if not s.seqs:
+            return started, preempted
+    raise AssertionError("the requests did not end")
+
+
+def test_waiting_requests_start_in_priority_order():
+    """vLLM's priority: with room for one request at a time, the waiting one of the smallest
+    priority starts first, in arrival order among equals."""
+    s = make(budget=32, max_seqs=1)
+    inbox = Inbox(new=[preq("low", 4, 5), preq("mid-1", 4, 1), preq("high", 4, -3), preq("mid-2", 4, 1)])
+    started, _ = run_to_end(s, inbox)
+    assert started == ["high", "mid-1", "mid-2", "low"]
+    assert s.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("prioritized", [True, False])
+def test_preemption_takes_the_newest_of_the_largest_priority(prioritized):
+    """When blocks run out, the running request of the largest priority is preempted, though an
+    older one; with equal priorities, the newest."""
+    s = make(num_blocks=6, budget=32)
+    older, newer = (preq("older", 8, 2, 12), preq("newer", 4, 0, 12)) if prioritized else \
+        (req("older", 8, 12), req("newer", 4, 12))  # both fit at first, not as they grow
+    started, preempted = run_to_end(s, Inbox(new=[older]), Inbox(new=[newer]))
+    assert started == ["older", "newer"]
+    assert preempted and set(preempted) == {"older" if prioritized else "newer"}
