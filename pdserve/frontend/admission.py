@@ -206,7 +206,10 @@ class Admission:
         since = self.pool.clock()
         suspects = [w for w in failed if w is not None]
         await self.pool.recheck(suspects)
-        async with self._admitted(1, prompt_ids, cache_salt, priority, lambda w: w not in suspects or w.ok_asked_at >= since) as ticket:
+        def fresh(w: WorkerEndpoint) -> bool:
+            return w not in suspects or w.ok_asked_at >= since
+
+        async with self._admitted(1, prompt_ids, cache_salt, priority, fresh) as ticket:
             yield ticket
 
     @asynccontextmanager

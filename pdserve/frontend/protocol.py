@@ -2,12 +2,12 @@
 
 Field bounds follow the OpenAI API reference; the extras vLLM accepts in the body (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``cache_salt``, ``priority``) are
-accepted too, as are
-SGLang's ``separate_reasoning`` and ``chat_template_kwargs``. Unknown fields are ignored. Tools
-are checked for shape here and kept as sent; what they mean for the prompt and the output is in
-``tools``. Checks that need the tokenizer or the context length (token ids, logit-bias ids,
-prompt length) are done later, in ``params`` and ``prompts``.
+``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``cache_salt``,
+``priority``) are accepted too, as are SGLang's ``separate_reasoning`` and
+``chat_template_kwargs``. Unknown fields are ignored. Tools are checked for shape here and kept
+as sent; what they mean for the prompt and the output is in ``tools``. Checks that need the
+tokenizer or the context length (token ids, logit-bias ids, prompt length) are done later, in
+``params`` and ``prompts``.
 """
 from __future__ import annotations
 
