@@ -359,6 +359,16 @@ class PeerDeadResult(_Message):
     rooms: int  # rooms shared with that process, settled now: open ones fail, all are fenced (repeated: 0)
 
 
+# ---- /reset_prefix_cache -------------------------------------------------------------------
+
+
+class CacheReset(_Message):
+    """200 from POST /reset_prefix_cache: the prefix cache is forgotten on every rank."""
+
+    ok: bool = True
+    forgotten_blocks: int  # cached device blocks nobody held (the host tier's copies went too)
+
+
 # ---- probes ---------------------------------------------------------------------------------
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from concurrent.futures import Future
 
 import torch
 
@@ -121,6 +122,7 @@ class LLMEngine:
                                  stage_batch=self.runner.stage if config.overlap else None)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._carry: list = []  # inbox items held back by the plan-size budget
+        self._resets: list[Future] = []  # prefix cache resets the step being made carries
         # Aborts seen by rank 0's inbox, so that a request whose abort overtook it is refused when
         # it comes. Its own store: the scheduler forgets ids it never admitted, the transfer
         # agents' tombstones are per rank and per room, and an abort must win over a late add
@@ -164,6 +166,14 @@ class LLMEngine:
         """The other worker of these rooms died: every rank fails and fences them (kv_link)."""
         self._inbox.put(PeerDeadRooms(list(rooms), reason))
 
+    def reset_prefix_cache(self) -> Future:
+        """Forget the prefix cache in the next step, on every rank (`StepPlan.reset_cache`).
+        The future's result, once that step is applied, is how many cached unreferenced device
+        blocks were forgotten."""
+        done: Future = Future()
+        self._inbox.put(done)
+        return done
+
     def _drain(self) -> Inbox:
         inbox = Inbox()
         # a TP plan travels in a fixed-size buffer: admit about what fits, the rest next step (one
@@ -183,6 +193,9 @@ class LLMEngine:
                 budget -= each * min(space, len(item.rooms))
                 if item.rooms[space:]:
                     self._carry.append(PeerDeadRooms(item.rooms[space:], item.reason))
+            elif isinstance(item, Future):
+                inbox.reset_cache = True
+                self._resets.append(item)
             elif isinstance(item, NewRequest):
                 cost = 8 * len(item.prompt_ids) + 1024
                 if item.peer is not None:  # a prefill's peer carries the decode ranks' bootstraps
@@ -206,7 +219,11 @@ class LLMEngine:
         ranks only follow the plan. Returns the plan and what requests produced."""
         inbox = self._drain() if self.rank == 0 else Inbox()
         inbox.shutdown = shutdown
+        forgotten = self.allocator.num_forgotten
         plan, outputs = self.loop.step(inbox)
+        resets, self._resets = self._resets, []
+        for done in resets:  # the plan that carried them is applied
+            done.set_result(self.allocator.num_forgotten - forgotten)
         for req in plan.deferred:  # a decode room waits for blocks; try again next step
             self._inbox.put(req)
         return plan, outputs

@@ -1,6 +1,6 @@
 """The router's HTTP edge: the FastAPI app, its routes (the OpenAI API with its Responses API,
-Anthropic's Messages API, /health, /ready, /metrics, and vLLM's /tokenize, /detokenize and
-/version), the middleware every request passes, and the mapping of every error to an OpenAI error
+Anthropic's Messages API, /health, /ready, /metrics, and vLLM's /tokenize, /detokenize,
+/version and /reset_prefix_cache), the middleware every request passes, and the mapping of every error to an OpenAI error
 object (Anthropic's on /v1/messages; a 405 keeps its Allow header).
 
 Middleware (``RequestContextMiddleware``), before a handler runs:
@@ -11,8 +11,8 @@ Middleware (``RequestContextMiddleware``), before a handler runs:
   ended and refuse a room id they have seen, so a client that reuses its X-Request-Id (a retry)
   must not reuse the room id: the second use of an id within the remembered window gets a
   suffix (``RequestIds``);
-* the API key: ``Authorization: Bearer <key>`` (or ``x-api-key``) on /v1/* when the router has one
-  (401 otherwise);
+* the API key: ``Authorization: Bearer <key>`` (or ``x-api-key``) on /v1/* and
+  /reset_prefix_cache when the router has one (401 otherwise);
 * the body limit: 413 for a Content-Length over the limit, or once more bytes than that arrive;
 * the drain: once the router drains, /v1/* gets 503 with Retry-After; calls under way are
   counted (``Calls.active``) so the drain knows when none is left;
@@ -63,6 +63,7 @@ logger = logging.getLogger(__name__)
 access_log = logging.getLogger("pdserve.access")
 M = TypeVar("M", bound=BaseModel)
 QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})  # probes and scrapers: no access log
+KEYED_PATHS = frozenset({"/reset_prefix_cache"})  # beside /v1/*: what changes the server needs the key
 _VALID_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
 
 
@@ -143,6 +144,10 @@ def create_app(config: RouterConfig, tokenizer: Tokenizer | None = None) -> Fast
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> dict[str, Any]:
         return detokenize(serving, await _parse(request, DetokenizeRequest))
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache_route() -> dict[str, Any]:
+        return await router.reset_prefix_caches()
 
     @app.get("/version")
     async def version_route() -> dict[str, str]:
@@ -270,7 +275,7 @@ class RequestContextMiddleware:
 
         state["arrival"] = time.monotonic()
         state["request_id"] = client_id(None)
-        api = path.startswith("/v1/")
+        api = path.startswith("/v1/") or path in KEYED_PATHS
         token = REQUEST_ID.set(state["request_id"])
         counted = False
         try:

@@ -152,6 +152,10 @@ class CacheAwareRouter:
         for w in [w for w, idx in self._index.items() if w not in live or w.info is not idx.info]:
             del self._index[w]
 
+    def forget(self) -> None:
+        """The workers forgot their caches (a reset): so does the index."""
+        self._index.clear()
+
     def index(self, w: WorkerEndpoint) -> PrefixIndex:
         idx = self._index.get(w)
         if idx is None or idx.info is not w.info:

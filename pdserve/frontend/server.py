@@ -42,6 +42,7 @@ _FALLBACK_CONTEXT = 2048
 HEARTBEAT_S = 0.25
 IDLE_HEARTBEAT_S = 1.0
 STOPPED_GRACE_S = 5.0  # after the drain timeout: how long the stopped calls get to send their error
+RESET_TIMEOUT_S = 30.0  # a prefix cache reset waits for each worker's next step
 
 
 class Router:
@@ -114,6 +115,22 @@ class Router:
     @property
     def active(self) -> int:
         return self.calls.active
+
+    async def reset_prefix_caches(self) -> dict[str, Any]:
+        """POST /reset_prefix_cache (vLLM's): every worker in rotation forgets its prefix cache
+        (and its host tier), and the routing index forgets what it sent where. A 503 names the
+        workers that could not be reset; the others were."""
+        workers = [w for w in self.pool.workers if w.in_rotation]
+        results = await asyncio.gather(*(self.client.reset_prefix_cache(w.url, RESET_TIMEOUT_S) for w in workers),
+                                       return_exceptions=True)
+        self.admission.routing.forget()
+        failed = [f"{w.url} ({r})" for w, r in zip(workers, results) if isinstance(r, BaseException)]
+        if failed or not workers:
+            raise unavailable("The prefix cache could not be reset on " + (", ".join(failed) or "any worker: none is "
+                                                                           "in rotation"))
+        logger.info("prefix cache reset on %d worker(s)", len(workers))
+        return {"ok": True, "workers": [{"url": w.url, "role": w.role.value, "forgotten_blocks": n}
+                                        for w, n in zip(workers, results)]}
 
     # ---- health and lifecycle ------------------------------------------------------------------
 

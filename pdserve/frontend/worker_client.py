@@ -19,6 +19,7 @@ from pydantic import BaseModel, ValidationError
 
 from pdserve.worker_api import (AbortRequest, ErrorBody, ErrorCode, GenerateRequest, Health, Info, Load,
                                 PeerDead, PeerDeadResult, PrefillRequest, StreamLine, parse_line)
+from pdserve.worker_api import CacheReset
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -118,6 +119,17 @@ class WorkerClient:
         except (httpx.HTTPError, ValidationError) as e:
             logger.info("telling %s that worker %s died did not get through: %s", url, body.worker_id, _describe(e))
             return None
+
+    async def reset_prefix_cache(self, url: str, timeout_s: float) -> int:
+        """POST /reset_prefix_cache: the cached blocks the worker forgot; WorkerError when the
+        call did not get through or the worker refused it."""
+        try:
+            r = await self.control.post(f"{url}/reset_prefix_cache", timeout=timeout_s)
+        except httpx.HTTPError as e:
+            raise WorkerError(f"worker {url}: {_describe(e)}") from None
+        if r.status_code != 200:
+            raise _refused(r)
+        return CacheReset.model_validate_json(r.content).forgotten_blocks
 
     async def _get(self, url: str, path: str, model: type[M], timeout_s: float) -> M | None:
         try:

@@ -75,6 +75,7 @@ class BlockAllocator:
         self.num_queries = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
         self.num_hits = 0     # of which found cached (vLLM's prefix_cache_hits)
         self.num_host_hits = 0  # of which loaded back from the host tier
+        self.num_forgotten = 0  # cached blocks dropped by `forget` (a prefix cache reset)
 
     # ---- counts -------------------------------------------------------------------------------
 
@@ -248,6 +249,21 @@ class BlockAllocator:
         if name not in self._block:
             self._block[name] = block
             self._name[block] = name
+
+    def forget(self) -> int:
+        """Forget everything cached, so that no later request reuses KV computed before now:
+        unreferenced cached blocks (tails too) become empty, held blocks keep their holders and
+        content but lose their names (freed, they become empty), and the host tier drops its
+        copies (bar those a load of this step pinned). Returns the device blocks that were
+        cached and unreferenced."""
+        dropped = len(self._lru)
+        self._empty.extend(self._lru)
+        for book in (self._lru, self._name, self._block, self._tail, self._tails):
+            book.clear()
+        if self.host is not None:
+            self.host.forget()
+        self.num_forgotten += dropped
+        return dropped
 
     def count_query(self, queried: int, hit: int) -> None:
         """Count a lookup's tokens (the counters behind the prefix cache hit rate)."""

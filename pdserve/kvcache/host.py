@@ -91,6 +91,11 @@ class HostTier:
         self._lru[name] = hb
         self.num_saved += 1
 
+    def forget(self) -> None:
+        """Drop every copy but the pinned ones (a load of this step still reads them)."""
+        for name in [n for n in self._lru if n not in self._pins]:
+            self._empty.append(self._lru.pop(name))
+
     def _drop_oldest(self) -> int | None:
         victim = next((n for n in self._lru if n not in self._pins), None)
         if victim is None:

@@ -58,6 +58,7 @@ class Inbox:
     new: list[NewRequest] = field(default_factory=list)
     aborts: list[tuple[str, FinishReason]] = field(default_factory=list)
     peer_dead: list[tuple[str, str]] = field(default_factory=list)  # (room, why): its peer worker died
+    reset_cache: bool = False  # forget the prefix cache (POST /reset_prefix_cache)
     shutdown: bool = False
 
 
@@ -123,11 +124,14 @@ class StepPlan:
     shutdown: bool = False
     error: str | None = None  # why the worker stops (a divergence, a failed rank)
     peer_dead: list[tuple[str, str]] = field(default_factory=list)  # (room, why): fail + fence (kv_link)
+    # last in `apply`, every rank forgets its prefix cache (`BlockAllocator.forget`): this step's
+    # cache hits were taken already, later steps find nothing computed before
+    reset_cache: bool = False
 
     @property
     def idle(self) -> bool:
         return not (self.sampled or self.transfers or self.aborted or self.rejected or self.cancelled
-                    or self.admitted or self.batch or self.peer_dead)
+                    or self.admitted or self.batch or self.peer_dead or self.reset_cache)
 
     def for_followers(self) -> StepPlan:
         """The plan as the other TP ranks get it: its tokens without their logprobs. Only rank

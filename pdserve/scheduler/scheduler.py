@@ -191,7 +191,7 @@ class Scheduler:
         """The step's decisions, from the state, the inbox, last step's tokens and the transfer
         outcomes agreed this step."""
         plan = StepPlan(step=step, sampled=list(sampled), transfers=list(transfers),
-                        shutdown=inbox.shutdown)
+                        shutdown=inbox.shutdown, reset_cache=inbox.reset_cache)
         ends = _Ends({rid: seq.status for rid, seq in self.held.items()}, _Books(self.allocator))
         self._end_sampled(ends, sampled)
         self._end_transfers(ends, transfers)
@@ -517,6 +517,8 @@ class Scheduler:
             if self.config.overlap and seq.num_computed >= seq.num_tokens:  # it samples a token
                 self.futures[seq.request_id] = self.futures.get(seq.request_id, 0) + 1
             self._name_full_blocks(seq)
+        if plan.reset_cache:
+            self.allocator.forget()
         return outputs, batch
 
     def _reuse(self, seq: Sequence, cached: int) -> list[BlockHash]:

@@ -23,7 +23,7 @@ from pdserve.logs import REQUEST_ID, about
 from pdserve.metrics import ABORT_ORIGINS, CONTENT_TYPE
 from pdserve.scheduler.plan import KVPeer, StepOutput
 from pdserve.worker_api import (LOGPROB_FLOOR, NDJSON, RETRY_AFTER_S, AbortRequest, AbortResult, Bootstrap,
-                                ErrorBody, ErrorCode, FinishReason, GenerateRequest, Health, HealthStatus, Info, Load,
+                                CacheReset, ErrorBody, ErrorCode, FinishReason, GenerateRequest, Health, HealthStatus, Info, Load,
                                 PeerDead, PeerDeadResult, PrefillDone, PrefillRequest, Role, Room, RoomLine,
                                 SamplingParams, TokenLine, TokenLogprob, line)
 
@@ -187,6 +187,22 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
         async def wedge(request: Request) -> dict:
             worker.wedge(float(json.loads(await request.body()).get("seconds", 30)))
             return {"ok": True}
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        """Forget the prefix cache on every rank in the next step; answers once it is applied."""
+        lease.renew()
+        if worker.draining:
+            return draining()
+        done = asyncio.wrap_future(worker.reset_prefix_cache())
+        while worker.error is None:  # a loop that failed applies nothing more
+            try:
+                forgotten = await asyncio.wait_for(asyncio.shield(done), 1.0)
+            except asyncio.TimeoutError:
+                continue
+            logger.info("prefix cache reset: %d cached block(s) forgotten", forgotten)
+            return JSONResponse(CacheReset(forgotten_blocks=forgotten).wire())
+        return error(ErrorCode.DRAINING, f"the worker stopped: {worker.error}")
 
     @app.post("/abort")
     async def abort(request: Request) -> Response:

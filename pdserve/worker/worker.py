@@ -11,6 +11,7 @@ import logging
 import socket
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 
 from pdserve.distributed.layout import LOOPBACK, TPLayout, parse_addr
@@ -259,6 +260,13 @@ class Worker:
         next step (their blocks come back; a request still waiting for its KV ends with an error)."""
         self.engine.peer_dead(rooms, reason)
         self._wake.set()
+
+    def reset_prefix_cache(self) -> Future:
+        """Forget the prefix cache in the next step, on every rank; the future's result, once
+        that step is applied, is the number of cached device blocks forgotten."""
+        done = self.engine.reset_prefix_cache()
+        self._wake.set()
+        return done
 
     def reader_left(self, request_id: str) -> None:
         """The request's HTTP stream closed before its finish: abort it now; who asked is

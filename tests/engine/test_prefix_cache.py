@@ -146,6 +146,33 @@ def test_a_cache_salt_shares_cached_blocks_only_with_requests_of_that_salt(tiny_
     assert engine.allocator.num_used == 0
 
 
+def test_a_reset_forgets_every_cached_block_and_spares_the_running_requests(tiny_llama_dir):
+    """POST /reset_prefix_cache's engine half: once the step that carries it is applied, no
+    request reuses KV computed before it (on the device, in the host tier, or held by a running
+    request at the time), and the request running through it gives the tokens it would have."""
+    engine = make_engine(tiny_llama_dir, True, blocks=14, host_blocks=16)  # r evicts to the host tier
+    done_prompt = [7 + i % 200 for i in range(30)]
+    running_prompt = [11 + i % 150 for i in range(26)]
+    reference, _ = generate(make_engine(tiny_llama_dir, False), {"r": running_prompt}, max_tokens=12)
+    first, _ = generate(engine, {"done": done_prompt})
+    engine.add_request("r", running_prompt, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    tokens = [o.token_id for o in engine.step()[1] + engine.step()[1] if o.token_id is not None]
+    assert engine.scheduler.seqs["r"].num_computed > 0
+    assert engine.allocator.num_cached > 0 and engine.allocator.host.num_cached > 0
+    reset = engine.reset_prefix_cache()
+    tokens += [o.token_id for o in engine.step()[1] if o.token_id is not None]
+    assert reset.result(timeout=0) > 0
+    assert engine.allocator.num_cached == engine.allocator.host.num_cached == 0
+    tokens += [o.token_id for o in engine.run_until_done() if o.token_id is not None]
+    assert tokens == reference["r"]
+    engine.allocator.check_integrity()
+    again, cached = generate(engine, {"done-again": done_prompt, "r-again": running_prompt})
+    assert cached == {"done-again": 0, "r-again": 0}
+    assert again["done-again"] == first["done"]
+    _, cached = generate(engine, {"done-3": done_prompt})  # and the cache works on afterwards
+    assert cached["done-3"] == (len(done_prompt) - 1) // BS * BS
+
+
 def test_shared_prefix_in_one_step_and_abort_keep_the_books(tiny_llama_dir):
     """Requests sharing cached blocks, one aborted mid-way: the others finish, the shared
     blocks are held by the survivors (never freed under them), and all come back cached."""

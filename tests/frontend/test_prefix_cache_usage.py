@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import uuid
 
+import httpx
 import openai
 import pytest
 
@@ -62,3 +63,27 @@ def test_a_cache_salt_reuses_only_what_its_own_salt_left(pd_server):
                                        store=False, extra_body={"cache_salt": "tenant-a"})
     assert response.usage.input_tokens == n
     assert response.usage.input_tokens_details.cached_tokens == (n - 1 if n % BLOCK else n - BLOCK)
+
+
+def test_reset_prefix_cache_forgets_what_every_worker_cached(pd_server):
+    """POST /reset_prefix_cache (vLLM's; it needs the API key): both workers forget their caches,
+    so a prompt that was cached is computed whole again, with the same answer."""
+    client = openai.OpenAI(base_url=pd_server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+    system = f"Reset {uuid.uuid4().hex}. " + "You answer in one short sentence. " * 12
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": "Name a tree."}]
+
+    def ask():
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
+
+    first = ask()
+    assert ask().usage.prompt_tokens_details.cached_tokens > 0
+    refused = httpx.post(pd_server.url + "/reset_prefix_cache", timeout=60)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    r = httpx.post(pd_server.url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["ok"] and sorted(w["role"] for w in body["workers"]) == ["decode", "prefill"]
+    assert all(w["forgotten_blocks"] > 0 for w in body["workers"])
+    after = ask()
+    assert after.usage.prompt_tokens_details.cached_tokens == 0
+    assert after.choices[0].message.content == first.choices[0].message.content

@@ -35,6 +35,13 @@ def test_health_is_live_and_ready_is_503_without_workers_and_lists_them(no_worke
     assert {w["role"] for w in r.json()["workers"]} == {"prefill", "decode"}
 
 
+def test_a_prefix_cache_reset_with_no_worker_to_reset_is_a_503(no_worker_client):
+    assert no_worker_client.post("/reset_prefix_cache").status_code == 401
+    r = no_worker_client.post("/reset_prefix_cache", headers=AUTH)
+    assert r.status_code == 503 and r.headers["retry-after"]
+    assert "could not be reset" in r.json()["error"]["message"]
+
+
 def test_models_need_the_key_and_a_ready_router(no_worker_client):
     assert no_worker_client.get("/v1/models").status_code == 401
     r = no_worker_client.get("/v1/models", headers=AUTH)

@@ -60,13 +60,16 @@ class Model:
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.one_of(
     st.tuples(st.just("start"), st.integers(0, 3), st.lists(st.integers(3, 5), max_size=6)),
-    st.tuples(st.just("end"), st.integers(0, 20))), max_size=80),
+    st.tuples(st.just("end"), st.integers(0, 20)), st.tuples(st.just("forget"))), max_size=80),
     st.integers(6, 14), st.integers(1, 12))
 def test_both_tiers_keep_their_books_and_their_bytes(ops, device_blocks, host_blocks):
     m = Model(device_blocks, host_blocks)
     for op in ops:
         if op[0] == "start":
             m.start(BASES[op[1]] + op[2])
+        elif op[0] == "forget":  # a prefix cache reset drops the host copies too
+            m.a.forget()
+            assert m.a.num_cached == m.a.host.num_cached == 0
         else:
             m.end(op[1])
         m.check()

@@ -1,7 +1,8 @@
-"""The allocator's prefix cache: random allocate / share / finish / abort / evict sequences keep
-the books exact (empty + cached-unreferenced + referenced == total), never hand out or evict
-a referenced block, and a cache hit always names the content its block holds (a tail: the
-tokens it matched, after the same chain)."""
+"""The allocator's prefix cache: random allocate / share / finish / abort / evict / forget
+sequences keep the books exact (empty + cached-unreferenced + referenced == total), never hand
+out or evict a referenced block, and a cache hit always names the content its block holds (a
+tail: the tokens it matched, after the same chain); after a forget (a reset), nothing started
+before it is found again."""
 from __future__ import annotations
 
 import pytest
@@ -95,6 +96,7 @@ ops = st.lists(st.one_of(
     st.tuples(st.just("finish"), st.integers(0, 50)),
     st.tuples(st.just("abort"), st.integers(0, 50)),
     st.tuples(st.just("pressure"), st.integers(1, 12)),
+    st.tuples(st.just("forget")),
 ), max_size=120)
 
 
@@ -111,6 +113,13 @@ def test_random_sequences_keep_the_books_and_never_touch_a_held_block(ops, num_b
                 m.start(m.started[op[1] % len(m.started)] + op[2], True)
         elif op[0] in ("finish", "abort"):  # the allocator sees both as a dropped hold
             m.end(op[1])
+        elif op[0] == "forget":  # a prefix cache reset: held blocks stay held, nothing is found
+            m.a.forget()
+            assert m.a.num_cached == 0
+            for tokens in m.started:
+                names = block_hashes(tokens, BS, SALT)
+                assert m.a.lookup(names) == []
+                assert m.a.find_tail(names[-1] if names else SALT, tokens[len(names) * BS:])[1] == 0
         else:  # another request's blocks: evicts the least recently released cached blocks
             n = op[1]
             if n <= m.a.num_free:

@@ -4,8 +4,9 @@ from it), give the greedy tokens of a cache-off engine for every prompt; the dec
 line reports the prompt tokens the cache supplied (a repeated prompt: the KV its first run left,
 bar its last token); in PD the decode worker keeps what it received too, so a later turn's room
 asks the prefill worker only for the blocks it lacks (a repeated prompt: its last partial block),
-and only those travel;
-the divergence check never fires, and the pools come back."""
+and only those travel; a salted session reuses only its own blocks; after POST
+/reset_prefix_cache on every worker nothing is reused; the divergence check never fires, and the
+pools come back."""
 from __future__ import annotations
 
 import asyncio
@@ -122,6 +123,24 @@ def check_stranger(results, stranger) -> None:
     assert cached == 0
 
 
+def reset_then_again(prefill, decode, results, seed: int):
+    """POST /reset_prefix_cache on every worker: the last prompt sent again under its session's
+    salt is computed whole (nothing kept by the decode worker either), with the same tokens.
+    Returns that request's (prompt, tokens, cached, room)."""
+    for w in (w for w in (prefill, decode) if w is not None):
+        r = httpx.post(w.url + "/reset_prefix_cache", timeout=60)
+        assert r.status_code == 200 and r.json()["forgotten_blocks"] > 0, r.text
+    p, tokens = results[-1][0], results[-1][1]
+
+    async def go():
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await generate(http, prefill, decode, f"c{seed}-reset", p, f"tenant-{seed}")
+    got, cached, room = asyncio.run(go())
+    assert (got, cached) == (tokens, 0)
+    assert room is None or room.cached_blocks == 0
+    return p, got, cached, room
+
+
 def check_rooms(results) -> None:
     """PD: each room holds the conversation's blocks the decode worker kept (its full blocks
     of earlier prompts and answers) and asks for the rest; the repeat of the last prompt asks
@@ -146,6 +165,7 @@ def test_multiturn_tp2_colocated_and_pd_equal_a_cache_off_engine(tiny_llama4_dir
         results, stranger = conversation(None, both, seed=1)
         check(tiny_llama4_dir, results, GREEDY["max_tokens"] - 1)
         check_stranger(results, stranger)
+        reset_then_again(None, both, results, seed=1)
         assert both.get("/health").status_code == 200  # no divergence was found
         wait_for(lambda: pool_full(both), 20, "pool full")
         results, stranger = conversation(prefill, decode, seed=2)
@@ -153,9 +173,10 @@ def test_multiturn_tp2_colocated_and_pd_equal_a_cache_off_engine(tiny_llama4_dir
         check_rooms(results)
         check_stranger(results, stranger)
         assert stranger[3].cached_blocks == 0  # the decode worker kept nothing under its salt
+        after_reset = reset_then_again(prefill, decode, results, seed=2)
         # what the prefill worker sent: the rooms' blocks, not the prompts' (2 layers × K, V × 4 KV
         # heads × 16 dims × fp32 × 16 tokens a block, over both ranks)
-        sent = sum(len(room.blocks) for _, _, _, room in [*results, stranger]) * 2 * 2 * 4 * 16 * 4 * BS
+        sent = sum(len(room.blocks) for _, _, _, room in [*results, stranger, after_reset]) * 2 * 2 * 4 * 16 * 4 * BS
         wait_for(lambda: metric(prefill, "pdserve:kv_transfer_bytes_total") == sent, 20, "the bytes sent")
         assert prefill.get("/health").status_code == 200 and decode.get("/health").status_code == 200
         metrics = prefill.get("/metrics").text
