@@ -29,6 +29,9 @@ prompts, more than the pool holds, so that blocks also move between the tiers:
     python bench/chaos.py --system-words 600 --system-prompts 3 --serve-arg=--kv-cache-memory=64MiB \
         --serve-arg=--host-cache-memory=256MiB
 
+`--priorities` runs the server with `--scheduling-policy priority` and gives requests random
+priorities, so the faults also land on a queue and on workers that order by priority.
+
 Exit status 0 when every check passed; the summary is printed as JSON (and --out FILE).
 """
 from __future__ import annotations
@@ -54,6 +57,7 @@ CHAT = "/v1/chat/completions"
 OTHER_API_SHARE = 0.2  # of the requests, to each of the Responses and Messages APIs instead of chat
 MODEL = "SmolLM2-135M-Instruct"
 HEAL_S = 120.0  # after the last fault: how long the server may take to serve again
+PRIORITIES = (-1, 0, 0, 5)  # --priorities: what the requests draw (lower goes first)
 
 
 @dataclass
@@ -80,17 +84,26 @@ def system_prompts(words: int, count: int) -> list[str]:
     return [" ".join(rng.choice(vocab) for _ in range(words)) for rng in rngs]
 
 
-def body(rng: random.Random, stream: bool, systems: Sequence[str] = ("",)) -> dict:
+@dataclass(frozen=True)
+class Mix:
+    """What the requests draw from: system prompts ("": none) and priorities (0: none sent)."""
+
+    systems: Sequence[str] = ("",)
+    priorities: Sequence[int] = (0,)
+
+
+def body(rng: random.Random, stream: bool, mix: Mix = Mix()) -> dict:
     """A short question; with a system prompt, also one of a few earlier exchanges before it, so
     requests share the system prompt's blocks and some share a conversation's too."""
     messages = [{"role": "user", "content": f"Tell me about {rng.choice(TOPICS)}."}]
-    system = rng.choice(systems)
+    system = rng.choice(mix.systems)
     if system:
         earlier = [{"role": "user", "content": f"Tell me about {t}."} for t in TOPICS[:rng.randrange(len(TOPICS))]]
         history = [m for u in earlier for m in (u, {"role": "assistant", "content": f"Here is what I know: {u['content']}"})]
         messages = [{"role": "system", "content": system}, *history, *messages]
+    priority = rng.choice(mix.priorities)
     return {"model": MODEL, "messages": messages, "max_tokens": rng.choice([8, 32, 96]), "ignore_eos": True,
-            "stream": stream}
+            "stream": stream, **({"priority": priority} if priority else {})}
 
 
 @dataclass(frozen=True)
@@ -108,7 +121,7 @@ class OtherAPI:
 def as_response(chat: dict) -> dict:
     """The same conversation for the Responses API (chat messages are valid input items)."""
     return {"model": MODEL, "input": chat["messages"], "max_output_tokens": chat["max_tokens"],
-            "stream": chat["stream"]}
+            "stream": chat["stream"], **({"priority": chat["priority"]} if "priority" in chat else {})}
 
 
 def as_message(chat: dict) -> dict:
@@ -130,15 +143,15 @@ OTHER_APIS = [
 ]
 
 
-async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally, systems: Sequence[str]) -> None:
+async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally, mix: Mix) -> None:
     stream = rng.random() < 0.7
     draw = rng.random()
     for k, api in enumerate(OTHER_APIS):
         if draw < OTHER_API_SHARE * (k + 1):
-            return await other_api(http, api, api.request(body(rng, stream, systems)), tally)
+            return await other_api(http, api, api.request(body(rng, stream, mix)), tally)
     try:
         if not stream:
-            r = await http.post(CHAT, json=body(rng, False, systems))
+            r = await http.post(CHAT, json=body(rng, False, mix))
             if r.status_code == 200:
                 tally.ok += 1
             elif "error" in _json(r.text):
@@ -146,7 +159,7 @@ async def one_request(http: httpx.AsyncClient, rng: random.Random, tally: Tally,
             else:
                 tally.unexpected.append(f"HTTP {r.status_code} without an error object: {r.text[:120]!r}")
             return
-        async with http.stream("POST", CHAT, json=body(rng, True, systems)) as r:
+        async with http.stream("POST", CHAT, json=body(rng, True, mix)) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 if "error" in _json(text):
@@ -205,12 +218,12 @@ def _json(text: str) -> dict:
     return value if isinstance(value, dict) else {}
 
 
-async def load(url: str, until: float, clients: int, seed: int, tally: Tally, systems: Sequence[str]) -> None:
+async def load(url: str, until: float, clients: int, seed: int, tally: Tally, mix: Mix) -> None:
     async def client(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
         async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(300.0), trust_env=False) as http:
             while time.monotonic() < until:
-                await one_request(http, rng, tally, systems)
+                await one_request(http, rng, tally, mix)
 
     await asyncio.gather(*(client(i) for i in range(clients)))
 
@@ -282,8 +295,8 @@ async def faults(serve_pid: int, until: float, every_s: float, seed: int, tally:
 
 async def run(url: str, serve_pid: int, args: argparse.Namespace, tally: Tally, cache: dict[str, int]) -> None:
     until = time.monotonic() + args.duration
-    await asyncio.gather(load(url, until, args.clients, args.seed, tally,
-                              system_prompts(args.system_words, args.system_prompts)),
+    mix = Mix(system_prompts(args.system_words, args.system_prompts), PRIORITIES if args.priorities else (0,))
+    await asyncio.gather(load(url, until, args.clients, args.seed, tally, mix),
                          faults(serve_pid, until, args.every, args.seed, tally), cache_counts(url, until, cache))
 
 
@@ -315,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--system-prompts", type=int, default=1,
                    help="how many different system prompts the requests draw from (more than the pool holds: "
                         "evicted prefixes come back, from the host tier when there is one)")
+    p.add_argument("--priorities", action="store_true",
+                   help="serve with --scheduling-policy priority and give the requests priorities "
+                        f"{', '.join(map(str, PRIORITIES))} at random (the Messages API's: none)")
     p.add_argument("--serve-arg", action="append", default=[], help="a flag for `pdserve serve` (repeatable)")
     p.add_argument("--log", type=Path, default=None, help="the server's output (default: discarded)")
     p.add_argument("--out", type=Path, default=None, help="write the summary JSON here too")
@@ -323,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{args.port}"
     # a fault may come while a worker restarts: no crash-loop verdict for faults we cause
     proc = start_serve(args.port, args.tp, ["--threads", "1", "--restart-max", "1000",
-                                            "--worker-arg=--router-lease=30", *args.serve_arg], args.log)
+                                            "--worker-arg=--router-lease=30", *args.serve_arg,
+                                            *(["--scheduling-policy", "priority"] if args.priorities else [])],
+                       args.log)
     tally = Tally()
     summary: dict = {}
     try:
@@ -335,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         idle, loads = workers_idle(url, None, 60)
         summary = {
             "duration_s": round(time.monotonic() - started), "tp": args.tp, "clients": args.clients,
-            "system_words": args.system_words, "serve_args": args.serve_arg, "prefix_cache": cache, "system_prompts": args.system_prompts,
+            "system_words": args.system_words, "serve_args": args.serve_arg, "priorities": args.priorities, "prefix_cache": cache, "system_prompts": args.system_prompts,
             "faults": len(tally.faults), "fault_list": tally.faults,
             "ok": tally.ok, "ok_by_api": tally.ok_by_api, "failed_with_error_object": tally.errors, "unexpected": tally.unexpected[:50],
             "unexpected_count": len(tally.unexpected), "serve_running": proc.poll() is None,
