@@ -81,6 +81,8 @@ class ChoiceState:
     offset: int = 0  # characters of text so far (completion logprobs' text_offset)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # echo with logprobs: the worker's
     echoed: bool = False  # the echo went out (streaming with logprobs: with the first event)
+    token_ids: list[int] = field(default_factory=list)  # every token the choice sampled, in order
+    ids_sent: bool = False  # completions streaming with return_token_ids: its prompt's ids went out
     cached_tokens: int = 0  # prompt tokens the worker took from its prefix cache
     stop_sequence: str | None = None  # the stop string that ended the text, if one did
     stop_token: int | None = None     # the request's stop token id that ended it, if one did
@@ -186,6 +188,7 @@ class Renderer:
         if text:
             state.pieces.append(text)
         if ev.batch is not None:
+            state.token_ids.extend(ev.batch.token_ids)
             state.logprobs.extend(ev.batch.logprobs)
             if ev.batch.prompt_logprobs is not None:
                 state.prompt_logprobs = ev.batch.prompt_logprobs
@@ -204,25 +207,34 @@ class ChatRenderer(Renderer):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, *args: Any, top_logprobs: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, top_logprobs: int | None = None, prompt_ids: list[int] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.top_logprobs = top_logprobs  # None: no logprobs
+        self.prompt_ids = prompt_ids      # vLLM's return_token_ids: the prompt's ids (None: no ids)
 
     def opening(self) -> list[dict[str, Any]]:
-        """The first chunk of every choice names the role, as OpenAI's do."""
-        return [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                             "logprobs": None, "finish_reason": None}])
-                for i in range(len(self.choices))]
+        """The first chunk of every choice names the role, as OpenAI's do (the first one also
+        the prompt's token ids, when asked)."""
+        chunks = [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                               "logprobs": None, "finish_reason": None}])
+                  for i in range(len(self.choices))]
+        if chunks and self.prompt_ids is not None:
+            chunks[0]["prompt_token_ids"] = self.prompt_ids
+        return chunks
 
     def absorb(self, ev: ChoiceEvent) -> list[dict[str, Any]]:
         state = self._update(ev, "")
         lps = ev.batch.logprobs if ev.batch is not None else []
+        ids = ev.batch.token_ids if ev.batch is not None and self.prompt_ids is not None else []
         deltas = _deltas(state, ev.batch.delta.parts if ev.batch is not None else [])
-        if not deltas and (lps or ev.finish_reason is not None):
+        if not deltas and (lps or ids or ev.finish_reason is not None):
             deltas = [{}]
         entries = [{"index": ev.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas]
-        if entries:  # the batch's logprobs and the finish go with its last chunk
+        if entries:  # the batch's logprobs, token ids and the finish go with its last chunk
             entries[-1].update(logprobs=self._logprobs(lps), finish_reason=ev.finish_reason)
+            if self.prompt_ids is not None:
+                entries[-1]["token_ids"] = ids
             if ev.finish_reason is not None:
                 entries[-1]["stop_reason"] = state.stop_reason
                 if state.invalid:  # reported once, beside the finish
@@ -231,10 +243,12 @@ class ChatRenderer(Renderer):
 
     def response(self) -> dict[str, Any]:
         choices = [{"index": i, "message": _message(c), "logprobs": self._logprobs(c.logprobs),
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                    **({"token_ids": c.token_ids} if self.prompt_ids is not None else {})}
                    for i, c in enumerate(self.choices)]
+        ids = {"prompt_token_ids": self.prompt_ids} if self.prompt_ids is not None else {}
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
-                "choices": choices, "usage": self.usage(), **self.fingerprint()}
+                "choices": choices, "usage": self.usage(), **ids, **self.fingerprint()}
 
     def fingerprint(self) -> dict[str, Any]:
         return {"system_fingerprint": SYSTEM_FINGERPRINT}
@@ -423,11 +437,13 @@ class CompletionRenderer(Renderer):
     chunk_object_name = "text_completion"
 
     def __init__(self, *args: Any, echo: list[str] | None = None, logprobs: int | None = None,
-                 echo_ids: list[list[int]] | None = None, **kwargs: Any) -> None:
+                 echo_ids: list[list[int]] | None = None, prompt_ids: list[list[int]] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.echo = echo          # per choice: the prompt text to print before the output
         self.echo_ids = echo_ids  # per choice: the prompt's token ids (echo with logprobs)
         self.logprobs = logprobs  # None: no logprobs; N: the top N alternatives
+        self.prompt_ids = prompt_ids  # per choice (vLLM's return_token_ids; None: no ids)
         for state, prefix in zip(self.choices, echo or []):
             state.offset = len(prefix)
 
@@ -456,11 +472,17 @@ class CompletionRenderer(Renderer):
         lps = ev.batch.logprobs if ev.batch is not None else []
         formatted = self._logprobs(lps, start)
         state.offset = start + sum(len(token_text(self.tokenizer, lp.token_id)) for lp in lps)
-        if not text and not lps and ev.finish_reason is None:
+        ids = ev.batch.token_ids if ev.batch is not None and self.prompt_ids is not None else []
+        if not text and not lps and not ids and ev.finish_reason is None:
             return out
         entry = {"index": ev.index, "text": text, "logprobs": formatted, "finish_reason": ev.finish_reason}
         if ev.finish_reason is not None:
             entry["stop_reason"] = state.stop_reason
+        if self.prompt_ids is not None:  # the prompt's ids with the choice's first chunk, as vLLM's
+            entry["token_ids"] = ids
+            if not state.ids_sent:
+                state.ids_sent = True
+                entry["prompt_token_ids"] = self.prompt_ids[ev.index]
         return out + [self.chunk([entry])]
 
     def response(self) -> dict[str, Any]:
@@ -473,6 +495,8 @@ class CompletionRenderer(Renderer):
                 logprobs = {k: prompt[k] + logprobs[k] for k in prompt}
             choices.append({"index": i, "text": prefix + c.text, "logprobs": logprobs,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            if self.prompt_ids is not None:
+                choices[-1].update(prompt_token_ids=self.prompt_ids[i], token_ids=c.token_ids)
         return {"id": self.id, "object": self.object_name, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage()}
 

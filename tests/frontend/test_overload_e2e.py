@@ -116,7 +116,9 @@ def test_priority_policy_admits_a_smaller_priority_first(guarded_worker, default
         done: list[str] = []
 
         async def ask(http: httpx.AsyncClient, name: str, priority: int, first: asyncio.Event | None = None) -> None:
-            body = {"messages": [{"role": "user", "content": f"Count for {name}."}], "max_tokens": MAX_TOKENS,
+            # the running one is long: both others must queue behind it while it runs
+            body = {"messages": [{"role": "user", "content": f"Count for {name}."}],
+                    "max_tokens": 600 if first is not None else MAX_TOKENS,
                     "temperature": 0, "ignore_eos": True, "stream": True, "priority": priority}
             async with http.stream("POST", CHAT, json=body) as r:
                 assert r.status_code == 200, await r.aread()
@@ -132,8 +134,9 @@ def test_priority_policy_admits_a_smaller_priority_first(guarded_worker, default
             for name, priority, queued in (("low", 5, 1), ("high", -1, 2)):
                 tasks.append(asyncio.create_task(ask(http, name, priority)))
                 while await asyncio.to_thread(queue_length, router.url) < queued:
+                    assert not tasks[0].done(), "the running request ended before the others queued"
                     await asyncio.sleep(0.05)  # polls the router's own count
-            await asyncio.wait_for(asyncio.gather(*tasks), 200)
+            await asyncio.wait_for(asyncio.gather(*tasks), 300)
         return done
 
     try:
