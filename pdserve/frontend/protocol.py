@@ -3,11 +3,11 @@
 Field bounds follow the OpenAI API reference; the extras vLLM accepts in the body (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``cache_salt``,
-``priority``, ``return_token_ids``) are accepted too, as are SGLang's ``separate_reasoning`` and
-``chat_template_kwargs``. Unknown fields are ignored. Tools are checked for shape here and kept
-as sent; what they mean for the prompt and the output is in ``tools``. Checks that need the
-tokenizer or the context length (token ids, logit-bias ids, prompt length) are done later, in
-``params`` and ``prompts``.
+``priority``, ``return_token_ids``, ``return_tokens_as_token_ids``) are accepted too, as are
+SGLang's ``separate_reasoning`` and ``chat_template_kwargs``. Unknown fields are ignored. Tools
+are checked for shape here and kept as sent; what they mean for the prompt and the output is in
+``tools``. Checks that need the tokenizer or the context length (token ids, logit-bias ids,
+prompt length) are done later, in ``params`` and ``prompts``.
 """
 from __future__ import annotations
 
@@ -93,6 +93,7 @@ class GenerationFields(BaseModel):
     cache_salt: str | None = Field(None, min_length=1)  # shares cached prefixes only with the same salt
     priority: int = Field(0, ge=-(2**31), lt=2**31)  # lower is sooner (--scheduling-policy priority)
     return_token_ids: bool = False  # the prompt's and each choice's token ids in the answer
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens `token_id:<id>`
     # vLLM's structured outputs (pdserve.structured.spec reads them; one constraint per request)
     structured_outputs: dict[str, Any] | None = None
     guided_json: str | dict[str, Any] | None = None

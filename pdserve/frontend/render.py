@@ -107,20 +107,26 @@ def token_text(tokenizer: Tokenizer, token_id: int) -> str:
     return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
 
 
-def token_logprob(tokenizer: Tokenizer, lp: TokenLogprob, n: int) -> dict[str, Any]:
+def token_name(tokenizer: Tokenizer, token_id: int, as_id: bool = False) -> str:
+    """A token as logprobs name it: its text, or vLLM's ``token_id:<id>`` (return_tokens_as_token_ids,
+    for tokens whose text alone does not say which they are: a byte of a character, a special token)."""
+    return f"token_id:{token_id}" if as_id else token_text(tokenizer, token_id)
+
+
+def token_logprob(tokenizer: Tokenizer, lp: TokenLogprob, n: int, as_id: bool = False) -> dict[str, Any]:
     """A chat (or Responses) logprob entry: the token, its logprob and bytes, and the `n` most
     likely tokens likewise."""
-    top = [{"token": token_text(tokenizer, t), "logprob": v, "bytes": list(tokenizer.token_bytes(t))}
+    top = [{"token": token_name(tokenizer, t, as_id), "logprob": v, "bytes": list(tokenizer.token_bytes(t))}
            for t, v in lp.top[:n]]
-    return {"token": token_text(tokenizer, lp.token_id), "logprob": lp.logprob,
+    return {"token": token_name(tokenizer, lp.token_id, as_id), "logprob": lp.logprob,
             "bytes": list(tokenizer.token_bytes(lp.token_id)), "top_logprobs": top}
 
 
-def legacy_top(tokenizer: Tokenizer, lp: TokenLogprob, n: int) -> dict[str, float]:
+def legacy_top(tokenizer: Tokenizer, lp: TokenLogprob, n: int, as_id: bool = False) -> dict[str, float]:
     """A text completion's ``top_logprobs`` entry: the ``n`` most likely tokens and the chosen
     one, which OpenAI always adds (so up to ``n + 1`` entries; ``n = 0`` gives the chosen only)."""
-    top = {token_text(tokenizer, t): v for t, v in lp.top[:n]}
-    top.setdefault(token_text(tokenizer, lp.token_id), lp.logprob)
+    top = {token_name(tokenizer, t, as_id): v for t, v in lp.top[:n]}
+    top.setdefault(token_name(tokenizer, lp.token_id, as_id), lp.logprob)
     return top
 
 
@@ -208,10 +214,11 @@ class ChatRenderer(Renderer):
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, *args: Any, top_logprobs: int | None = None, prompt_ids: list[int] | None = None,
-                 **kwargs: Any) -> None:
+                 tokens_as_ids: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.top_logprobs = top_logprobs  # None: no logprobs
         self.prompt_ids = prompt_ids      # vLLM's return_token_ids: the prompt's ids (None: no ids)
+        self.tokens_as_ids = tokens_as_ids  # logprobs name tokens `token_id:<id>`
 
     def opening(self) -> list[dict[str, Any]]:
         """The first chunk of every choice names the role, as OpenAI's do (the first one also
@@ -256,7 +263,8 @@ class ChatRenderer(Renderer):
     def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
         if self.top_logprobs is None:
             return None
-        return {"content": [token_logprob(self.tokenizer, lp, self.top_logprobs) for lp in lps], "refusal": None}
+        entries = [token_logprob(self.tokenizer, lp, self.top_logprobs, self.tokens_as_ids) for lp in lps]
+        return {"content": entries, "refusal": None}
 
 
 def _message(c: ChoiceState) -> dict[str, Any]:
@@ -438,12 +446,13 @@ class CompletionRenderer(Renderer):
 
     def __init__(self, *args: Any, echo: list[str] | None = None, logprobs: int | None = None,
                  echo_ids: list[list[int]] | None = None, prompt_ids: list[list[int]] | None = None,
-                 **kwargs: Any) -> None:
+                 tokens_as_ids: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.echo = echo          # per choice: the prompt text to print before the output
         self.echo_ids = echo_ids  # per choice: the prompt's token ids (echo with logprobs)
         self.logprobs = logprobs  # None: no logprobs; N: the top N alternatives
         self.prompt_ids = prompt_ids  # per choice (vLLM's return_token_ids; None: no ids)
+        self.tokens_as_ids = tokens_as_ids  # logprobs name tokens `token_id:<id>`
         for state, prefix in zip(self.choices, echo or []):
             state.offset = len(prefix)
 
@@ -503,15 +512,14 @@ class CompletionRenderer(Renderer):
     def _logprobs(self, lps: list[TokenLogprob], offset: int) -> dict[str, Any] | None:
         if self.logprobs is None:
             return None
-        tok = self.tokenizer
-        tokens, offsets = [], []
+        tok, as_id = self.tokenizer, self.tokens_as_ids
+        offsets = []
         for lp in lps:
-            text = token_text(tok, lp.token_id)
-            tokens.append(text)
             offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [legacy_top(tok, lp, self.logprobs) for lp in lps],
+            offset += len(token_text(tok, lp.token_id))
+        return {"tokens": [token_name(tok, lp.token_id, as_id) for lp in lps],
+                "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [legacy_top(tok, lp, self.logprobs, as_id) for lp in lps],
                 "text_offset": offsets}
 
     def _prompt_logprobs(self, index: int) -> dict[str, Any]:
@@ -520,13 +528,14 @@ class CompletionRenderer(Renderer):
         tok = self.tokenizer
         ids = self.echo_ids[index] if self.echo_ids else []
         entries = self.choices[index].prompt_logprobs or [None] * len(ids)
-        tokens = [token_text(tok, t) for t in ids]
         offsets, at = [], 0
-        for text in tokens:
+        for t in ids:
             offsets.append(at)
-            at += len(text)
-        return {"tokens": tokens, "token_logprobs": [None if e is None else e.logprob for e in entries],
-                "top_logprobs": [None if e is None else legacy_top(tok, e, self.logprobs) for e in entries],
+            at += len(token_text(tok, t))
+        as_id = self.tokens_as_ids
+        return {"tokens": [token_name(tok, t, as_id) for t in ids],
+                "token_logprobs": [None if e is None else e.logprob for e in entries],
+                "top_logprobs": [None if e is None else legacy_top(tok, e, self.logprobs, as_id) for e in entries],
                 "text_offset": offsets}
 
 

@@ -162,7 +162,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: C
     renderer = make_renderer(model, len(prompt.ids)) if make_renderer is not None else ChatRenderer(
         f"chatcmpl-{call.request_id}", model, len(specs), len(prompt.ids), s.tokenizer,
         include_usage=req.include_usage, continuous_usage=req.continuous_usage, top_logprobs=req.top_n,
-        prompt_ids=prompt.ids if req.return_token_ids else None)
+        prompt_ids=prompt.ids if req.return_token_ids else None, tokens_as_ids=req.return_tokens_as_token_ids)
     if constraint is not None and json_calls(constraint[1], s.output.profile):  # JSON calls (json_calls.py)
         return await respond(s, call, specs, lambda _: JsonCallDecoder(s.tokenizer), renderer, req.stream)
     return await respond(s, call, specs,
@@ -264,7 +264,8 @@ async def create_completion(s: Serving, req: CompletionRequest, call: Call) -> R
         include_usage=req.include_usage, continuous_usage=req.continuous_usage, echo=echo if req.echo else None,
         logprobs=req.logprobs,
         echo_ids=[spec.prompt_ids for spec in specs] if req.echo else None,
-        prompt_ids=[spec.prompt_ids for spec in specs] if req.return_token_ids else None)
+        prompt_ids=[spec.prompt_ids for spec in specs] if req.return_token_ids else None,
+        tokens_as_ids=req.return_tokens_as_token_ids)
     return await respond(s, call, specs, lambda _: completion_decoder(s.tokenizer, stop, include_stop), renderer,
                          req.stream)
 

@@ -481,6 +481,26 @@ def test_completion_top_logprobs_always_hold_the_chosen_token(tokenizer):
         assert top == [expected] and list(top[0]) == list(expected), n
 
 
+def test_return_tokens_as_token_ids_names_every_logprob_token_by_its_id(tokenizer):
+    """vLLM's return_tokens_as_token_ids: chat and completion logprobs name the chosen token and
+    its alternatives `token_id:<id>` (bytes stay the token's); completion offsets stay in text."""
+    hello, world = tokenizer.encode("Hello world")
+    lps = [TokenLogprob(token_id=hello, logprob=-1.0, top=[(world, -0.5)]),
+           TokenLogprob(token_id=world, logprob=-2.0, top=[(hello, -0.1)])]
+    chat = ChatRenderer("chatcmpl-x", "m", 1, 3, tokenizer, top_logprobs=1, tokens_as_ids=True)
+    chat.absorb(_event(0, "Hello world", [hello, world], "length", lps))
+    content = chat.response()["choices"][0]["logprobs"]["content"]
+    assert [(e["token"], e["top_logprobs"][0]["token"]) for e in content] == [
+        (f"token_id:{hello}", f"token_id:{world}"), (f"token_id:{world}", f"token_id:{hello}")]
+    assert content[1]["bytes"] == list(b" world")
+    text = CompletionRenderer("cmpl-x", "m", 1, 3, tokenizer, logprobs=1, tokens_as_ids=True)
+    text.absorb(_event(0, "Hello world", [hello, world], "length", lps))
+    logprobs = text.response()["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{hello}", f"token_id:{world}"]
+    assert logprobs["top_logprobs"][0] == {f"token_id:{world}": -0.5, f"token_id:{hello}": -1.0}
+    assert logprobs["text_offset"] == [0, len("Hello")]
+
+
 # ---- one choice's life, without workers ----------------------------------------------------------
 
 
