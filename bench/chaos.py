@@ -353,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         idle, loads = workers_idle(url, None, 60)
         summary = {
             "duration_s": round(time.monotonic() - started), "tp": args.tp, "clients": args.clients,
-            "system_words": args.system_words, "serve_args": args.serve_arg, "priorities": args.priorities, "prefix_cache": cache, "system_prompts": args.system_prompts,
+            "system_words": args.system_words, "serve_args": args.serve_arg, "priorities": args.priorities,
+            "prefix_cache": cache, "system_prompts": args.system_prompts,
             "faults": len(tally.faults), "fault_list": tally.faults,
             "ok": tally.ok, "ok_by_api": tally.ok_by_api, "failed_with_error_object": tally.errors, "unexpected": tally.unexpected[:50],
             "unexpected_count": len(tally.unexpected), "serve_running": proc.poll() is None,

@@ -1,7 +1,7 @@
 """The router's HTTP edge: the FastAPI app, its routes (the OpenAI API with its Responses API,
 Anthropic's Messages API, /health, /ready, /metrics, and vLLM's /tokenize, /detokenize,
-/version and /reset_prefix_cache), the middleware every request passes, and the mapping of every error to an OpenAI error
-object (Anthropic's on /v1/messages; a 405 keeps its Allow header).
+/version and /reset_prefix_cache), the middleware every request passes, and the mapping of every
+error to an OpenAI error object (Anthropic's on /v1/messages; a 405 keeps its Allow header).
 
 Middleware (``RequestContextMiddleware``), before a handler runs:
 

@@ -125,9 +125,10 @@ class Router:
                                        return_exceptions=True)
         self.admission.routing.forget()
         failed = [f"{w.url} ({r})" for w, r in zip(workers, results) if isinstance(r, BaseException)]
-        if failed or not workers:
-            raise unavailable("The prefix cache could not be reset on " + (", ".join(failed) or "any worker: none is "
-                                                                           "in rotation"))
+        if not workers:
+            raise unavailable("No worker is in rotation: no prefix cache could be reset.")
+        if failed:
+            raise unavailable(f"The prefix cache could not be reset on {', '.join(failed)}; the other workers' was.")
         logger.info("prefix cache reset on %d worker(s)", len(workers))
         return {"ok": True, "workers": [{"url": w.url, "role": w.role.value, "forgotten_blocks": n}
                                         for w, n in zip(workers, results)]}

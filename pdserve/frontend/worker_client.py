@@ -17,9 +17,8 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from pdserve.worker_api import (AbortRequest, ErrorBody, ErrorCode, GenerateRequest, Health, Info, Load,
+from pdserve.worker_api import (AbortRequest, CacheReset, ErrorBody, ErrorCode, GenerateRequest, Health, Info, Load,
                                 PeerDead, PeerDeadResult, PrefillRequest, StreamLine, parse_line)
-from pdserve.worker_api import CacheReset
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)

@@ -23,9 +23,9 @@ from pdserve.logs import REQUEST_ID, about
 from pdserve.metrics import ABORT_ORIGINS, CONTENT_TYPE
 from pdserve.scheduler.plan import KVPeer, StepOutput
 from pdserve.worker_api import (LOGPROB_FLOOR, NDJSON, RETRY_AFTER_S, AbortRequest, AbortResult, Bootstrap,
-                                CacheReset, ErrorBody, ErrorCode, FinishReason, GenerateRequest, Health, HealthStatus, Info, Load,
-                                PeerDead, PeerDeadResult, PrefillDone, PrefillRequest, Role, Room, RoomLine,
-                                SamplingParams, TokenLine, TokenLogprob, line)
+                                CacheReset, ErrorBody, ErrorCode, FinishReason, GenerateRequest, Health,
+                                HealthStatus, Info, Load, PeerDead, PeerDeadResult, PrefillDone, PrefillRequest,
+                                Role, Room, RoomLine, SamplingParams, TokenLine, TokenLogprob, line)
 
 from .lease import RouterLease
 from .peers import PeerRooms

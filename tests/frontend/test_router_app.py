@@ -39,7 +39,7 @@ def test_a_prefix_cache_reset_with_no_worker_to_reset_is_a_503(no_worker_client)
     assert no_worker_client.post("/reset_prefix_cache").status_code == 401
     r = no_worker_client.post("/reset_prefix_cache", headers=AUTH)
     assert r.status_code == 503 and r.headers["retry-after"]
-    assert "could not be reset" in r.json()["error"]["message"]
+    assert r.json()["error"]["message"] == "No worker is in rotation: no prefix cache could be reset."
 
 
 def test_models_need_the_key_and_a_ready_router(no_worker_client):
