@@ -355,8 +355,8 @@ class Scheduler:
         waiting = [_Slot(seq, seq.request_id, 0, seq.num_tokens + (seq.request_id in late), [],
                          priority=seq.params.priority, computes_all=seq.wants_prompt_logprobs)
                    for seq in self.waiting if seq.request_id not in gone and not self._unresolved(seq, grown)]
-        waiting += [_Slot(None, r.request_id, 0, len(r.prompt_ids), [], r.prompt_ids, self._salt(r.params),
-                          r.params.priority, computes_all=r.params.prompt_logprobs is not None)
+        waiting += [_Slot(None, r.request_id, 0, len(r.prompt_ids), [], r.prompt_ids, salt=self._salt(r.params),
+                          priority=r.params.priority, computes_all=r.params.prompt_logprobs is not None)
                     for r in admitted if r.kv is not KVRole.DECODE]
         # vLLM's priority: the smaller first, in the order they came among equals (stable sorts);
         # the last running slot is the first preempted
