@@ -179,6 +179,8 @@ class WorkerMetrics(_Base):
             "host_cache_blocks_total", "Blocks of the host-memory tier (0: --host-cache-memory not set).")
         self.host_cache_drops = self._counter(
             "host_cache_drops", "Host-memory copies dropped (least recently used first) to make room.")
+        self.prefix_cache_forgotten = self._counter(
+            "prefix_cache_forgotten_blocks", "Cached device blocks forgotten by POST /reset_prefix_cache.")
         self.num_preemptions = self._counter(
             "num_preemptions", "Running requests preempted (their KV dropped, recomputed later).")
         self._scheduler_totals: dict[str, int] = {}
@@ -231,13 +233,14 @@ class WorkerMetrics(_Base):
         self.host_cache_blocks_total.set(host_total)
 
     def scheduler_counts(self, *, cache_queries: int, cache_hits: int, preemptions: int,
-                         host_hits: int = 0, evictions: int = 0, host_drops: int = 0) -> None:
+                         host_hits: int = 0, evictions: int = 0, host_drops: int = 0, forgotten: int = 0) -> None:
         """The scheduler's cumulative counts → increments since the last call."""
         for metric, key, total in ((self.prefix_cache_queries, "queries", cache_queries),
                                    (self.prefix_cache_hits, "hits", cache_hits),
                                    (self.prefix_cache_host_hits, "host_hits", host_hits),
                                    (self.prefix_cache_evictions, "evictions", evictions),
                                    (self.host_cache_drops, "host_drops", host_drops),
+                                   (self.prefix_cache_forgotten, "forgotten", forgotten),
                                    (self.num_preemptions, "preemptions", preemptions)):
             metric.inc(max(total - self._scheduler_totals.get(key, 0), 0))
             self._scheduler_totals[key] = total

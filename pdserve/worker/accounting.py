@@ -59,7 +59,8 @@ class Accounting:
                                  host_total=host.num_blocks if host else 0)
         self.metrics.scheduler_counts(cache_queries=a.num_queries, cache_hits=a.num_hits,
                                       preemptions=scheduler.num_preemptions, host_hits=a.num_host_hits,
-                                      evictions=a.num_evictions, host_drops=host.num_dropped if host else 0)
+                                      evictions=a.num_evictions, host_drops=host.num_dropped if host else 0,
+                                      forgotten=a.num_forgotten)
 
     def agent(self, counts: dict[str, int]) -> None:
         """The agent's cumulative counters → metric increments since the last call."""

@@ -34,7 +34,7 @@ EXPECTED = {
     # the prefix cache (issue 15) and preemptions (issue 18)
     "prefix_cache_queries": "counter", "prefix_cache_hits": "counter", "prefix_cache_host_hits": "counter",
     "kv_blocks_cached": "gauge", "prefix_cache_evictions": "counter", "host_cache_blocks_used": "gauge",
-    "host_cache_blocks_total": "gauge", "host_cache_drops": "counter",
+    "host_cache_blocks_total": "gauge", "host_cache_drops": "counter", "prefix_cache_forgotten_blocks": "counter",
     "num_preemptions": "counter",
     "parser_diagnostics": "counter",
     # structured outputs (issue 19)

@@ -130,6 +130,9 @@ def reset_then_again(prefill, decode, results, seed: int):
     for w in (w for w in (prefill, decode) if w is not None):
         r = httpx.post(w.url + "/reset_prefix_cache", timeout=60)
         assert r.status_code == 200 and r.json()["forgotten_blocks"] > 0, r.text
+        forgotten = r.json()["forgotten_blocks"]
+        wait_for(lambda w=w: metric(w, "pdserve:prefix_cache_forgotten_blocks_total") == forgotten, 20,
+                 "the forgotten blocks counted")
     p, tokens = results[-1][0], results[-1][1]
 
     async def go():
