@@ -46,3 +46,11 @@ def init_tp(rank: int, size: int, port: int, device: str = "cpu", timeout_s: flo
     control = dist.group.WORLD
     trace = trace or CollectiveTrace()
     return TPGroup(rank, size, model_group, trace), GroupComm(rank, size, control, trace=trace)
+
+
+def close_tp() -> None:
+    """Leave the TP group: destroy its process groups, which joins gloo's threads. A process that
+    exits with them still running can abort at exit ("terminate called without an active
+    exception", SIGABRT), after all its work is done."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

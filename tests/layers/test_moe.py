@@ -228,7 +228,7 @@ class RecordingSource(WeightSource):
 
 def rank_main(rank: int, port: int, dirs: dict[str, str], x: torch.Tensor, results) -> None:
     torch.set_num_threads(1)
-    from pdserve.distributed.groups import init_tp
+    from pdserve.distributed.groups import close_tp, init_tp
 
     tp, _ = init_tp(rank, 2, port, timeout_s=60)
     out = {}
@@ -243,6 +243,7 @@ def rank_main(rank: int, port: int, dirs: dict[str, str], x: torch.Tensor, resul
         out[label] = (y.numpy(), sorted(moe.experts), experts_read, len(list(moe.parameters())),
                       tuple(moe.shared_experts.gate_up_proj.weight.shape))
     results.put((rank, out))
+    close_tp()
 
 
 def test_two_ranks_equal_one(tmp_path):

@@ -18,7 +18,7 @@ def run_ranks(target: Callable, *args, size: int = 2, timeout: float = 500) -> d
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=target, args=(r, port, results, *args)) for r in range(size)]
+    procs = [ctx.Process(target=_rank, args=(target, r, port, results, *args)) for r in range(size)]
     for p in procs:
         p.start()
     got = {r[0]: r[1:] for r in (results.get(timeout=timeout) for _ in procs)}
@@ -26,6 +26,14 @@ def run_ranks(target: Callable, *args, size: int = 2, timeout: float = 500) -> d
         p.join(timeout=30)
         assert p.exitcode == 0
     return got
+
+
+def _rank(target: Callable, rank: int, port: int, results, *args) -> None:
+    """One rank: `target`, then leave the group (so that the process exits 0: `close_tp`)."""
+    from pdserve.distributed.groups import close_tp
+
+    target(rank, port, results, *args)
+    close_tp()
 
 
 class RandomInbox:
