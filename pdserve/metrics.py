@@ -303,6 +303,9 @@ class RouterMetrics(_Base):
             "routing_decisions", "Workers chosen for requests, by reason: the likely holder of the "
             "prompt's prefix, the least loaded instead of a too busy holder, or no holder.",
             "reason", ROUTING_REASONS)
+        self.tokenizer_reused_tokens = self._counter(
+            "tokenizer_reused_tokens", "Chat prompt tokens taken from an earlier prompt's tokenization (a "
+            "conversation's previous turn) instead of tokenized again.")
 
     def start_request(self, prompt_tokens: int, arrival: float | None = None) -> RequestTimer:
         """Call when a request is accepted (`arrival`: when it arrived, on `clock`; default now);
@@ -332,6 +335,10 @@ class RouterMetrics(_Base):
                                                           ADMISSION_REJECTIONS)
         admission.routing.on_decision = lambda why: self._inc(self.routing_decisions, "reason", why,
                                                               ROUTING_REASONS)
+
+    def watch_prompts(self, prompts) -> None:
+        """Count what `prompts` (a frontend.prompts.PromptBuilder) reuses of earlier tokenizations."""
+        prompts.prefixes.on_reuse = self.tokenizer_reused_tokens.inc
 
     def watch_responses(self, store) -> None:
         """Read the size of `store` (a frontend.response_store.ResponseStore) at each scrape."""

@@ -129,6 +129,7 @@ class Tokenizer:
         self._build_byte_tables(spec.get("model", {}).get("vocab"))
         self.max_token_bytes = max(1, max((len(b) for b in self._bytes), default=1))
         self._bounded = _length_is_bounded(spec)
+        self.cut_tokens = _cut_tokens(spec)
         self.special_tokens_map = {
             key: tok for key in _SPECIAL_TOKEN_KEYS if (tok := _token_text(self.config.get(key)))
         }
@@ -149,6 +150,15 @@ class Tokenizer:
         if len(text) <= _INLINE_ENCODE_CHARS:
             return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_with_ends(self, text: str) -> tuple[list[int], list[int]]:
+        """The ids of `text` (no special tokens added) and where each token ends in it (a
+        character offset)."""
+        if len(text) <= _INLINE_ENCODE_CHARS:
+            enc = self._tok.encode(text, add_special_tokens=False)
+        else:
+            enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
+        return enc.ids, [end for _, end in enc.offsets]
 
     def min_tokens(self, text: str) -> int:
         """A lower bound on ``len(encode(text))`` without tokenizing: no token stands for more
@@ -302,6 +312,56 @@ def _length_is_bounded(spec: Mapping[str, Any]) -> bool:
                                                       and step.get("content")):
                 return False  # a regex, or a longer string, can shrink the text without bound
     return True
+
+
+# "Sequence": what `_steps` leaves of an empty one
+_SPLIT_LOCAL_NORMALIZERS = frozenset({"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "Replace", "Sequence"})
+_SPLIT_LOCAL_PRE_TOKENIZERS = frozenset({"ByteLevel", "Digits", "Punctuation", "Split", "Whitespace",
+                                         "WhitespaceSplit", "UnicodeScripts", "Sequence"})
+
+
+def _cut_tokens(spec: Mapping[str, Any]) -> dict[int, str]:
+    """The added tokens after which the rest of a text tokenizes on its own: id -> content.
+
+    The tokenizer first splits a text at its added tokens, leftmost-longest: those matched on the
+    raw text, then, in each piece, after normalizing it, those marked `normalized`. Each piece is
+    then pre-tokenized alone, and the model never merges across pieces. So where a token T ends at
+    character c of a text, ``ids(text) == ids(text[:c]) + ids(text[c:])``, provided that nothing
+    after c can change the match of T:
+    * T does not swallow the white space after it (rstrip) or depend on the next character
+      (single_word), does not end in white space (which a following token's `lstrip` could
+      claim), and no other added token contains it (a longer match through c);
+    * a `normalized` T is matched after the raw-text tokens, so none of those may start inside it
+      and run past c; and its piece is normalized as a whole, which only an identity normalizer
+      (none, or an empty sequence) leaves the same on both sides of c.
+    And provided that no step treats a piece differently by where it sits: Metaspace's
+    `prepend_scheme: first` marks only the text's first piece, so those pipelines (and any step
+    not listed here) get none. BPE dropout samples, so it gets none; nor does a tokenizer.json that
+    truncates or pads."""
+    model = spec.get("model") or {}
+    if spec.get("truncation") or spec.get("padding") or model.get("dropout"):
+        return {}
+    normalizers = _steps(spec.get("normalizer"))
+    if any(step.get("type") not in _SPLIT_LOCAL_NORMALIZERS for step in normalizers):
+        return {}
+    identity = all(step.get("type") == "Sequence" for step in normalizers)  # _steps: an empty one
+    for step in _steps(spec.get("pre_tokenizer")):
+        kind = step.get("type")
+        if not (kind in _SPLIT_LOCAL_PRE_TOKENIZERS
+                or (kind == "Metaspace" and step.get("prepend_scheme") in ("always", "never"))):
+            return {}
+    added = [a for a in spec.get("added_tokens") or [] if a.get("content") and "\0" not in a["content"]]
+    everything = "\0".join(a["content"] for a in added)  # one scan a token, not one a pair
+    raw_starts = {a["content"][:i] for a in added if not a.get("normalized") for i in range(1, len(a["content"]) + 1)}
+    cuts = {}
+    for a in added:
+        text = a["content"]
+        if a.get("rstrip") or a.get("single_word") or text[-1].isspace() or everything.count(text) != 1:
+            continue
+        if a.get("normalized") and not (identity and all(text[i:] not in raw_starts for i in range(1, len(text)))):
+            continue
+        cuts[int(a["id"])] = text
+    return cuts
 
 
 def _steps(node: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:

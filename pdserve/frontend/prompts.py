@@ -7,7 +7,9 @@ own chat template, with the request's tools. DeepSeek V3/R1 and V3.1 templates n
 shapes as they are (`arguments` a JSON string, `content: null` beside tool calls) and do not
 render `tools` at all: their tools go into the system prompt here, in the format DeepSeek
 documents for V3.1 (``dsv3_tools_prompt``). Workers see token ids only. Long texts are
-tokenized in a thread so that one big prompt does not stall every stream on the event loop.
+tokenized in a thread so that one big prompt does not stall every stream on the event loop, and
+a chat prompt tokenizes only what follows the longest prefix an earlier prompt left
+(``prompt_prefixes``): a conversation's next turn pays for its new text only.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ import json
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -24,6 +26,7 @@ import jinja2
 
 from pdserve.frontend.encoders import EncodeError, encode_v4, encode_v32, thinking_from_kwargs
 from pdserve.frontend.errors import context_too_long, invalid
+from pdserve.frontend.prompt_prefixes import PromptPrefixes
 from pdserve.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from pdserve.tokenizer import Tokenizer
 
@@ -55,6 +58,10 @@ class Prompt:
 class PromptBuilder:
     tokenizer: Tokenizer
     inline_chars: int = 4096
+    prefixes: PromptPrefixes = field(init=False)  # chat prompts: a conversation's earlier turns' ids
+
+    def __post_init__(self) -> None:
+        self.prefixes = PromptPrefixes(self.tokenizer)
 
     async def completion(self, req: CompletionRequest, max_len: int | None = None) -> list[Prompt]:
         """`max_len`: a text that cannot fit it, by its size alone, is refused untokenized."""
@@ -151,7 +158,7 @@ class PromptBuilder:
             text = self._template(req, messages, tools, kwargs)
         else:
             text = self._encode(req, messages, tools, kwargs, style)
-        return Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
+        return Prompt(self.prefixes.encode(text, req.cache_salt), text)
 
     def _dsv3_template(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
                        tools: list[dict[str, Any]] | None, kwargs: dict[str, Any], fenced: bool) -> str:

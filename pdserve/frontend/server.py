@@ -75,6 +75,7 @@ class Router:
                                self.pool, services, self.metrics, self.calls, _model_context(config),
                                self.admission, ResponseStore(config.responses_store))
         self.metrics.watch_responses(self.serving.responses)
+        self.metrics.watch_prompts(self.serving.prompts)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._background: list[asyncio.Task[Any]] = []
         self._tick = time.monotonic()         # the heartbeat's last turn
@@ -118,12 +119,14 @@ class Router:
 
     async def reset_prefix_caches(self) -> dict[str, Any]:
         """POST /reset_prefix_cache (vLLM's): every worker in rotation forgets its prefix cache
-        (and its host tier), and the routing index forgets what it sent where. A 503 names the
-        workers that could not be reset; the others were."""
+        (and its host tier), the routing index forgets what it sent where, and the prompt
+        tokenization forgets what it kept. A 503 names the workers that could not be reset; the
+        others were."""
         workers = [w for w in self.pool.workers if w.in_rotation]
         results = await asyncio.gather(*(self.client.reset_prefix_cache(w.url, RESET_TIMEOUT_S) for w in workers),
                                        return_exceptions=True)
         self.admission.routing.forget()
+        self.serving.prompts.prefixes.clear()
         failed = [f"{w.url} ({r})" for w, r in zip(workers, results) if isinstance(r, BaseException)]
         if not workers:
             raise unavailable("No worker is in rotation: no prefix cache could be reset.")

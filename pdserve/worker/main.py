@@ -20,6 +20,7 @@ from pdserve.preflight import ConfigError, Settings, bind_port, check
 from pdserve.quiet_server import QuietServer
 
 from .faults import FaultPlan
+from .ranks import leave
 from .server import build_app
 from .worker import Worker, WorkerSettings
 
@@ -167,14 +168,3 @@ def run_worker(args: argparse.Namespace, role: str, engine_config) -> int:
                 rank.kill()
         worker.stop()
     leave(1 if worker.error else 0)
-
-
-def leave(code: int) -> None:
-    """Exit a worker process that has stopped in order (drained, its ranks joined, its transfer
-    agent closed) without the interpreter's teardown: the native objects still alive then (the
-    NIXL agent, gloo's threads) are destroyed in no defined order, which once aborted a worker
-    (SIGABRT, "terminate called without an active exception") after its peer had died."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -44,7 +44,7 @@ def rank_main(rank: int, engine_config, settings) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(settings.log_json, f"{settings.role}-tp{rank}", settings.rank_log_level,
                   f"%(asctime)s %(levelname)s tp{rank} %(name)s: %(message)s")
-    sys.exit(run_rank(rank, engine_config, settings))
+    leave(run_rank(rank, engine_config, settings))
 
 
 def run_rank(rank: int, engine_config, settings, on_step: Callable[[], None] = lambda: None) -> int:
@@ -77,3 +77,14 @@ class _Follow:
 
     def after_step(self, plan, outputs) -> None:
         self.on_step()
+
+
+def leave(code: int) -> None:
+    """Exit a worker or rank process that has stopped in order (drained, its ranks joined, its
+    transfer agent closed) without the interpreter's teardown: the native objects still alive then (the
+    NIXL agent, gloo's threads) are destroyed in no defined order, which once aborted a worker
+    (SIGABRT, "terminate called without an active exception") after its peer had died."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

