@@ -14,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pdserve.frontend.encoders import encode_v4
 from pdserve.frontend.prompt_prefixes import PromptPrefixes
 from pdserve.tokenizer import Tokenizer
 from tests.parsers.realtok import offline_data, package_dir
@@ -30,6 +31,7 @@ def _model_dir(root: Path, key: str) -> Path:
     else:
         with zipfile.ZipFile(offline_data(key) / "tokenizer.json.zip") as z:
             (out / "tokenizer.json").write_bytes(z.read("tokenizer.json"))
+        (out / "tokenizer_config.json").write_bytes((offline_data(key) / "tokenizer_config.json").read_bytes())
     return out
 
 
@@ -122,6 +124,64 @@ def test_a_conversations_next_turn_tokenizes_only_its_new_text(tokenizers):
     assert len(reused) == 4
 
 
+@pytest.mark.parametrize("key, render, rewritten", [
+    # the thinking answer opens with <think>; the next turn shows it closed, without the thinking
+    ("deepseek-v4", lambda tok, m: encode_v4(m, thinking=True), "<think>"),
+    # no thinking: the prompt ends with an empty think block; the next turn shows no block at all
+    ("qwen-3", lambda tok, m: tok.apply_chat_template(m, add_generation_prompt=True, enable_thinking=False),
+     "assistant\n<think>\n\n</think>\n\n"),
+])
+def test_a_template_that_rewrites_the_last_prompts_end_still_reuses_the_rest(tokenizers, key, render, rewritten):
+    """The next turn takes the last prompt up to the cut before the part the template rewrote,
+    and the conversation still keeps one entry."""
+    tok = tokenizers[key]
+    prefixes = PromptPrefixes(tok)
+    reused: list[int] = []
+    prefixes.on_reuse = reused.append
+    messages = [{"role": "system", "content": "You are an agent. " * 30}, {"role": "user", "content": "Start."}]
+    previous: list[int] = []
+    for turn in range(4):
+        text = render(tok, messages)
+        assert text.endswith(rewritten)
+        ids = prefixes.encode(text)
+        assert ids == tok.encode(text)
+        if turn:
+            assert reused[-1] == len(previous) - len(tok.encode(rewritten))
+            assert ids[:reused[-1]] == previous[:reused[-1]]
+        assert len(prefixes._entries) == 1
+        previous = ids
+        messages += [{"role": "assistant", "content": f"Done {turn}.", "reasoning_content": "I thought."},
+                     {"role": "user", "content": f"Step {turn + 1}."}]
+    assert len(reused) == 3
+
+
+def test_sessions_sharing_a_system_prompt_keep_their_own_entries(tokenizers):
+    """A session's first turn reuses another's system prompt without taking that session's
+    entry: each later turn still reuses its own conversation."""
+    tok = tokenizers["smollm2"]
+    prefixes = PromptPrefixes(tok)
+    reused: list[int] = []
+    prefixes.on_reuse = reused.append
+    system = {"role": "system", "content": "Use the tools well. " * 50}
+    sessions = [[system, {"role": "user", "content": f"Task {s}: " + "read the files and report. " * 5}]
+                for s in range(4)]
+    last: dict[int, list[int]] = {}
+    for turn in range(3):
+        for s, messages in enumerate(sessions):
+            text = _render(tok, messages)
+            reused.clear()
+            ids = prefixes.encode(text)
+            assert ids == tok.encode(text)
+            if turn:  # its own last prompt, less "assistant\n"
+                assert reused == [len(last[s]) - len(tok.encode("assistant\n"))]
+            elif s:  # the system prompt another session left, through the <|im_start|> after it
+                start = tok.token_to_id("<|im_start|>")
+                assert reused == [[i for i, t in enumerate(ids) if t == start][1] + 1]
+            last[s] = ids
+            messages += [{"role": "assistant", "content": "Reported."}, {"role": "user", "content": "Next."}]
+    assert len(prefixes._entries) == 4
+
+
 def test_memory_is_bounded_and_a_conversation_keeps_one_entry(tokenizers):
     tok = tokenizers["smollm2"]
     prefixes = PromptPrefixes(tok, max_tokens=400)
@@ -132,11 +192,11 @@ def test_memory_is_bounded_and_a_conversation_keeps_one_entry(tokenizers):
         assert len(prefixes._entries) == 1
     held = prefixes._held
     assert 0 < held <= 400
-    others = [f"<|im_start|>other {i} " + "x " * 150 + "<|im_start|>" for i in range(3)]
+    others = [f"other {i} " + "x " * 150 + "<|im_start|>" for i in range(3)]
     for other in others:  # ≈ 160 tokens each: the oldest entries make room
         assert prefixes.encode(other) == tok.encode(other)
     assert prefixes._held <= 400
-    assert sum(len(ids) for ids in prefixes._entries.values()) == prefixes._held
+    assert sum(len(e.ids) for e in prefixes._entries.values()) == prefixes._held
     assert [text for _, text in prefixes._entries] == others[-2:]
     prefixes.clear()
     assert prefixes._held == 0 and not prefixes._entries and not prefixes._by_end
@@ -164,7 +224,7 @@ def test_threads_tokenizing_at_once_get_their_own_ids(tokenizers):
     for t in threads:
         t.join()
     assert failures == []
-    assert sum(len(ids) for ids in prefixes._entries.values()) == prefixes._held <= 5_000
+    assert sum(len(e.ids) for e in prefixes._entries.values()) == prefixes._held <= 5_000
 
 
 def test_a_cache_salt_reuses_only_its_own_entries(tokenizers):
