@@ -3,6 +3,7 @@ and its messages survive the wire as both sides read them."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from pathlib import Path
 
@@ -44,6 +45,19 @@ def test_wire_params_leave_the_stop_strings_with_the_router() -> None:
     assert "stop" not in wire["params"] and wire["params"]["logit_bias"] == {"5": -1.0}
     back = api.GenerateRequest.model_validate(wire)
     assert back.params == dataclasses.replace(params, stop=[])
+
+
+def test_a_request_serialized_by_pydantic_is_the_same_body() -> None:
+    """`wire_json` (what the router posts for /generate and /prefill) carries what `wire` does."""
+    params = api.SamplingParams(temperature=0.7, top_p=0.9, seed=2**40, stop=["x"], logit_bias={5: -1.5},
+                                max_tokens=3, cache_salt="s", priority=-2)
+    for body in (api.GenerateRequest(request_id="r", prompt_ids=list(range(3000)), params=params,
+                                     prefill_url="http://p", prefill_worker_id="p1"),
+                 api.PrefillRequest(request_id="r", prompt_ids=[1, 2, 3], params=params,
+                                    decode=api.DecodeTarget(worker_id="d", decode_url="http://d", blocks=[4],
+                                                            cached_blocks=1))):
+        assert json.loads(body.wire_json()) == body.wire()
+        assert type(body).model_validate_json(body.wire_json()) == type(body).model_validate(body.wire())
 
 
 def test_stream_lines_parse_into_their_types() -> None:

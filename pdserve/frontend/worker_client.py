@@ -144,8 +144,8 @@ class WorkerClient:
         """POST /generate; yields the stream's lines (``RoomLine``, ``TokenLine``). Errors
         become WorkerError."""
         try:
-            async with self.streams.stream("POST", f"{url}/generate", json=body.wire(),
-                                           headers={"X-Request-Id": body.request_id}) as resp:
+            async with self.streams.stream("POST", f"{url}/generate", content=body.wire_json(),
+                                           headers=_json_headers(body.request_id)) as resp:
                 if resp.status_code != 200:
                     await resp.aread()
                     raise _refused(resp)
@@ -157,11 +157,16 @@ class WorkerClient:
         """POST /prefill; returns once the KV is in the decode worker's blocks. A failed
         prefill (or a refused call) raises WorkerError with the worker's ErrorCode."""
         try:
-            r = await self.streams.post(f"{url}/prefill", json=body.wire(), headers={"X-Request-Id": body.request_id})
+            r = await self.streams.post(f"{url}/prefill", content=body.wire_json(),
+                                        headers=_json_headers(body.request_id))
         except httpx.HTTPError as e:
             raise WorkerError(f"prefill worker {url} failed: {_describe(e)}") from None
         if r.status_code != 200:
             raise _refused(r)
+
+
+def _json_headers(request_id: str) -> dict[str, str]:
+    return {"Content-Type": "application/json", "X-Request-Id": request_id}
 
 
 async def _lines(resp: httpx.Response, url: str) -> AsyncIterator[StreamLine]:
