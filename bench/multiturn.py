@@ -5,6 +5,7 @@
     python bench/multiturn.py --no-llama --pdserve-arg=--kernels=torch
     python bench/multiturn.py --no-llama --modes pd --cache on --scale 2      # 1 vs 2 prefill workers
     python bench/multiturn.py --no-llama --modes colocated --scale 0 --rounds 3  # the ratio's spread
+    python bench/multiturn.py --no-llama --modes pd --cache on --routers 2 --routings cache-aware,cache-aware-no-ask
 
 S sessions run at once; each sends T chat turns one after another, every turn resending the
 whole conversation so far (the shared system prompt, the user's turns, the answers), greedy
@@ -21,6 +22,12 @@ mode (`--prefill-workers N`, one decode worker), N colocated workers (`--workers
 when the sessions are spread over several caches. Their rows also show the router's routing
 decisions (`pdserve:routing_decisions_total`: to a prefix holder, away from a too busy one, by
 load).
+
+`--routers N` puts N routers in front of the workers of those servers (the server's own and
+N − 1 more `pdserve router`s over its workers, as replicas behind one Service would be), and
+each session sends each turn through another router than its last. `--routings` may name
+`cache-aware-no-ask` (cache-aware, `--no-ask-caches`): routers that go only by what each of them
+sent where, against the default, which asks the workers what they hold.
 
 `--think S` makes each session wait a random time (uniform on [0, 2S], seeded) between a turn's
 answer and its next turn, as an agent does while its tools run. By default (0) every session
@@ -116,22 +123,27 @@ async def chat(http: httpx.AsyncClient, model: str, messages: list[dict], out_le
     return "".join(pieces)
 
 
-async def session(base_url: str, model: str, s: int, args: argparse.Namespace, system: str) -> list[Turn]:
+async def session(base_urls: list[str], model: str, s: int, args: argparse.Namespace, system: str) -> list[Turn]:
+    """One agent session; turn k goes through router (s + k) mod len(base_urls)."""
     rng = random.Random(args.seed * 1000 + s)
     pauses = random.Random(args.seed * 1000 + s + 500_000)  # apart, so the texts do not depend on --think
     messages = [{"role": "system", "content": system}]
     turns = []
-    async with httpx.AsyncClient(base_url=base_url, timeout=args.timeout) as http:
+    clients = [httpx.AsyncClient(base_url=url, timeout=args.timeout) for url in base_urls]
+    try:
         for k in range(args.turns):
             if k and args.think:  # the agent's own work between turns (tools, reading)
                 await asyncio.sleep(pauses.uniform(0.0, 2.0 * args.think))
             messages.append({"role": "user", "content": text(rng, args.user_words)})
             t = Turn(s, k)
-            answer = await chat(http, model, messages, args.output_len, t)
+            answer = await chat(clients[(s + k) % len(clients)], model, messages, args.output_len, t)
             turns.append(t)
             if t.error:
                 break
             messages.append({"role": "assistant", "content": answer})
+    finally:
+        for http in clients:
+            await http.aclose()
     return turns
 
 
@@ -169,15 +181,26 @@ def run_target(t: Target, args: argparse.Namespace, system: str) -> dict:
     except RuntimeError as e:
         print(f"  launch failed: {e}", flush=True)
         return {**asdict(t), "error": str(e)}
+    replicas: list = []
     try:
+        if t.workers > 1 and args.routers > 1:
+            replicas = [launch(router_command(srv.base_url, t), args.out.parent / "logs", "--port", args.launch_timeout)
+                        for _ in range(args.routers - 1)]
+        urls = [srv.base_url] + [r.base_url for r in replicas]
         model = served_model(srv.base_url)
-        warm = Turn(-1, -1)  # an unrelated short request: first-call costs out of the measurement
-        asyncio.run(_warm(srv.base_url, model, warm))
+        for url in urls:  # an unrelated short request: first-call costs out of the measurement
+            asyncio.run(_warm(url, model, Turn(-1, -1)))
         t0 = time.perf_counter()
-        results = asyncio.run(_all(srv.base_url, model, args, system))
+        results = asyncio.run(_all(urls, model, args, system))
         wall = time.perf_counter() - t0
-        routed = routing_decisions(srv.base_url) if t.cache is not None else {}
+        routed = {}
+        if t.cache is not None:
+            for url in urls:
+                for why, n in routing_decisions(url).items():
+                    routed[why] = routed.get(why, 0) + n
     finally:
+        for r in replicas:
+            stop(r, args.stop_grace)
         stopped = stop(srv, args.stop_grace)
     turns = [x for r in results for x in r]
     s = summarize(turns, wall)
@@ -205,8 +228,21 @@ async def _warm(base_url: str, model: str, t: Turn) -> None:
         await chat(http, model, [{"role": "user", "content": "hello"}], 4, t)
 
 
-async def _all(base_url: str, model: str, args: argparse.Namespace, system: str) -> list[list[Turn]]:
-    return await asyncio.gather(*(session(base_url, model, s, args, system) for s in range(args.sessions)))
+async def _all(base_urls: list[str], model: str, args: argparse.Namespace, system: str) -> list[list[Turn]]:
+    return await asyncio.gather(*(session(base_urls, model, s, args, system) for s in range(args.sessions)))
+
+
+def router_command(base_url: str, t: Target) -> str:
+    """Another router over the workers of the server at `base_url`, routing as its own does."""
+    workers = httpx.get(f"{base_url}/health", timeout=10.0).json()["workers"]
+    flag = {"prefill": "--prefill", "decode": "--decode", "both": "--worker"}
+    urls = " ".join(f"{flag[w['role']]} {w['url']}" for w in workers)
+    return f"{sys.executable} -m pdserve.cli router {urls} {routing_flags(t.routing)}"
+
+
+def routing_flags(routing: str) -> str:
+    """`--routings` names as router flags (cache-aware-no-ask: cache-aware without asking the workers)."""
+    return "--routing cache-aware --no-ask-caches" if routing == "cache-aware-no-ask" else f"--routing {routing}"
 
 
 def targets(args: argparse.Namespace) -> tuple[list[Target], str | None]:
@@ -232,7 +268,7 @@ def targets(args: argparse.Namespace) -> tuple[list[Target], str | None]:
             many = f"--prefill-workers {args.scale}" if mode == "pd" else f"--workers {args.scale}"
             kind = "prefill workers" if mode == "pd" else "workers"
             for routing in args.routings:
-                command = f"{sys.executable} -m pdserve.launcher --mode {mode} {many} --routing {routing} {extra}"
+                command = f"{sys.executable} -m pdserve.launcher --mode {mode} {many} {routing_flags(routing)} {extra}"
                 out.append(Target(f"pdserve {mode} {args.scale} {kind} {routing}", " ".join(command.split()),
                                   mode, True, args.scale, routing))
     return out, note
@@ -253,7 +289,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--scale", type=int, default=2,
                    help="also run N prefill workers (pd) / N colocated workers, once per --routings "
                         "policy (0 or 1: not)")
-    p.add_argument("--routings", type=lambda s: s.split(","), default=["cache-aware", "least-loaded"])
+    p.add_argument("--routings", type=lambda s: s.split(","), default=["cache-aware", "least-loaded"],
+                   help="of cache-aware, cache-aware-no-ask (without asking the workers), least-loaded")
+    p.add_argument("--routers", type=int, default=1,
+                   help="routers in front of the --scale servers' workers; each turn goes through another")
     p.add_argument("--llama-server", default=str(LLAMA_BIN))
     p.add_argument("--no-llama", action="store_true")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server -t")

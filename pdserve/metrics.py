@@ -30,6 +30,7 @@ ROOM_STATES = ("done", "failed", "aborted")
 # why the router's admission refused a request (pdserve.frontend.admission.Rejection)
 ADMISSION_REJECTIONS = ("queue_full", "queue_timeout", "too_large", "no_worker")
 ROUTING_REASONS = ("prefix", "balance", "load")  # pdserve.frontend.routing.Reason
+CACHE_QUERY_OUTCOMES = ("answered", "unanswered")  # pdserve.frontend.routing.CacheAwareRouter.ask
 ABORT_ORIGINS = ("client", "router", "peer", "timeout", "drain")
 OTHER = "other"
 
@@ -303,6 +304,9 @@ class RouterMetrics(_Base):
             "routing_decisions", "Workers chosen for requests, by reason: the likely holder of the "
             "prompt's prefix, the least loaded instead of a too busy holder, or no holder.",
             "reason", ROUTING_REASONS)
+        self.routing_cache_queries = self._counter(
+            "routing_cache_queries", "Workers asked what they hold of a prompt before it was routed, by "
+            "whether they answered in time.", "outcome", CACHE_QUERY_OUTCOMES)
         self.tokenizer_reused_tokens = self._counter(
             "tokenizer_reused_tokens", "Chat prompt tokens taken from an earlier prompt's tokenization (a "
             "conversation's previous turn) instead of tokenized again.")
@@ -335,6 +339,8 @@ class RouterMetrics(_Base):
                                                           ADMISSION_REJECTIONS)
         admission.routing.on_decision = lambda why: self._inc(self.routing_decisions, "reason", why,
                                                               ROUTING_REASONS)
+        admission.routing.on_ask = lambda answered: self._inc(
+            self.routing_cache_queries, "outcome", "answered" if answered else "unanswered", CACHE_QUERY_OUTCOMES)
 
     def watch_prompts(self, prompts) -> None:
         """Count what `prompts` (a frontend.prompts.PromptBuilder) reuses of earlier tokenizations."""

@@ -403,6 +403,7 @@ class Info(_Message):
     eos_token_ids: list[int]
     max_num_seqs: int = 0   # most requests it runs at once (0: not reported); the router's admission
     incarnation: str = ""   # random per process start: a restarted worker with the same worker_id differs
+    prefix_salt: str = ""   # hex: where its block names' chains start (POST /cached_prefix); "": no prefix cache
 
 
 class Load(_Message):
@@ -421,6 +422,28 @@ class Load(_Message):
     @property
     def queued(self) -> int:
         return self.waiting + self.running + self.transferring
+
+
+# ---- /cached_prefix --------------------------------------------------------------------------
+
+
+class CachedPrefixQuery(_Message):
+    """POST /cached_prefix: the names of a prompt's full blocks, in order, as this worker names
+    them (``pdserve.block_names``, started by ``Info.prefix_salt``), each 16 bytes, all in one hex
+    string. A router asks before it routes: what other routers sent here is in no index of its own."""
+
+    names: str
+
+
+class CachedPrefix(_Message):
+    """200 from POST /cached_prefix: how many leading blocks of the query the worker holds now,
+    in its device pool and, after those, in its host tier, and its load now (what GET /load
+    says: the requests other routers sent since this router's last poll count too). A guess for
+    routing, not a promise: the worker's loop may evict the blocks before the request comes."""
+
+    device_blocks: int
+    host_blocks: int = 0
+    load: Load
 
 
 class Bootstrap(_Message):
@@ -447,4 +470,5 @@ ENDPOINTS = (
     Endpoint("POST", "/prefill", PrefillRequest, (DecodeTarget, PrefillDone)),
     Endpoint("POST", "/abort", AbortRequest, (AbortResult,)),
     Endpoint("POST", "/peers/dead", PeerDead, (PeerDeadResult,)),
+    Endpoint("POST", "/cached_prefix", CachedPrefixQuery, (CachedPrefix,)),
 )

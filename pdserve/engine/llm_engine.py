@@ -18,7 +18,7 @@ import pdserve_kernels as ops
 from pdserve.distributed import TPGroup
 from pdserve.distributed.comm import LocalComm
 from pdserve.distributed.trace import CollectiveTrace, Traces
-from pdserve.kvcache import BlockAllocator, HostTier, KVPool, salt_of
+from pdserve.kvcache import BlockAllocator, BlockHash, HostTier, KVPool, salt_of
 from pdserve.layers.dsa import INDEX_DTYPES
 from pdserve.models import eos_token_ids, load_model, multiplies_natively, read_config
 from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
@@ -173,6 +173,19 @@ class LLMEngine:
         done: Future = Future()
         self._inbox.put(done)
         return done
+
+    @property
+    def prefix_salt(self) -> BlockHash | None:
+        """Where this worker's block-name chains start (None: no prefix cache)."""
+        return self.scheduler.config.cache_salt if self.scheduler.allocator.caching else None
+
+    def cached_prefix(self, names: list[BlockHash]) -> tuple[int, int]:
+        """How many leading `names` the prefix cache holds now: in the device pool, then, after
+        those, in the host tier. Only reads (any thread may ask; the loop may change the answer
+        the next moment): the router's guess of where a prompt is cached."""
+        allocator = self.scheduler.allocator
+        device = len(allocator.lookup(names))
+        return device, allocator.host_chain(names[device:])
 
     def _drain(self) -> Inbox:
         inbox = Inbox()

@@ -93,7 +93,7 @@ class Sequence:
     generator: torch.Generator | None = None
     kv: KVRole = KVRole.LOCAL
     grammar: GrammarState | None = None  # rank 0's matcher of a constrained request (sampler.py)
-    # prefix cache: the names of the full blocks (kvcache/prefix.py), extended as needed; how
+    # prefix cache: the names of the full blocks (block_names.py), extended as needed; how
     # many leading tokens' blocks are named in the cache; tokens the first schedule reused
     block_hashes: list[bytes] = field(default_factory=list)
     num_named: int = 0

@@ -64,6 +64,7 @@ class AdmissionConfig:
     max_running: int | None = None       # choices running router-wide (None: the workers' sum)
     retry_after_s: int = 2               # what a 429 tells the client
     routing: str = Policy.CACHE_AWARE.value  # --routing: cache-aware | least-loaded (routing.py)
+    ask_caches: bool = True              # cache-aware: ask the workers what they hold first (--no-ask-caches)
     scheduling_policy: str = "fcfs"      # --scheduling-policy: fcfs | priority (requests' `priority`)
 
     def __post_init__(self) -> None:
@@ -216,6 +217,8 @@ class Admission:
     async def _admitted(self, n: int, prompt_ids: Sequence[int] | None, cache_salt: str | None, priority: int,
                         allowed: Callable[[WorkerEndpoint], bool] | None) -> AsyncIterator[Ticket]:
         key = PromptKey(prompt_ids, cache_salt) if prompt_ids else None
+        if key is not None and self.config.ask_caches:
+            await self.routing.ask(self.pool.client, self.pool.workers, key)
         routes = await self._wait(_Waiter(n, self.clock(), key, allowed, self._priority(priority)))
         try:
             yield Ticket(routes)

@@ -92,6 +92,10 @@ def add_admission_flags(p: argparse.ArgumentParser) -> None:
                    help="which worker gets a request: cache-aware (default: the one most likely to hold "
                         "its prompt's prefix in its KV cache, unless it is much busier than another), or "
                         "least-loaded (docs/prefix-cache.md)")
+    a.add_argument("--no-ask-caches", dest="ask_caches", action="store_false",
+                   help="cache-aware routing without asking the workers what they hold of each prompt "
+                        "(POST /cached_prefix, done where a role has two workers or more): only this "
+                        "router's own record of what it sent where counts (docs/prefix-cache.md)")
     a.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="fcfs (default: requests wait for room in arrival order, and a request's priority "
                         "other than 0 is a 400) or priority (vLLM's: lower priority values go first, in "
@@ -163,7 +167,7 @@ def router_config(args: argparse.Namespace, model_dir: Path, prefill: list[str],
                         tool_call_parser=getattr(args, "tool_call_parser", None),
                         max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                         worker_capacity=args.worker_capacity, max_running=args.max_running,
-                        routing=getattr(args, "routing", "cache-aware"),
+                        routing=getattr(args, "routing", "cache-aware"), ask_caches=getattr(args, "ask_caches", True),
                         scheduling_policy=args.scheduling_policy,
                         slow_after_s=args.slow_after, dead_after_s=args.dead_after,
                         retries=args.retries, internal_token=internal_token(args),

@@ -5,8 +5,13 @@ The router keeps, per worker, an approximate index of what it sent there: the ch
 of the full blocks of each prompt (the workers name their cached blocks the same way, chained,
 so block i's hash stands for the whole prefix up to it). The index is an LRU bounded by the
 worker's KV pool (`Info.num_blocks`), so it forgets roughly what the worker's own LRU evicts,
-and its memory is bounded. Nothing is asked of the workers: a wrong guess costs a cache miss,
-never a wrong answer.
+and its memory is bounded. A wrong guess costs a cache miss, never a wrong answer.
+
+What other routers sent to a worker (several replicas behind one Service), or what this router
+sent before it restarted, is in no index here. So before a request is routed, the workers of
+each role that has two or more are asked what they hold of its prompt (`ask`: POST
+/cached_prefix with the prompt's block names as that worker names them); a worker's match is
+the larger of its index's and its answer.
 
 One request's choice (SGLang's cache-aware router is the model; the rule in our words):
 
@@ -28,6 +33,7 @@ times while it waits for room).
 """
 from __future__ import annotations
 
+import asyncio
 import enum
 import hashlib
 import logging
@@ -36,8 +42,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
+from pdserve.block_names import block_hashes as worker_block_names, request_salt
+from pdserve.frontend.worker_client import WorkerClient
 from pdserve.frontend.workers import Route, WorkerEndpoint, least_loaded
-from pdserve.worker_api import Info
+from pdserve.worker_api import Info, Role
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +53,7 @@ DEFAULT_BLOCK_SIZE = 16          # a worker that has not reported its block size
 MAX_BLOCKS_PER_WORKER = 1 << 16  # the index's bound per worker, whatever its pool reports
 BALANCE_ABS = 2                  # requests: a prefix holder this much busier than the least loaded ...
 BALANCE_REL = 1.5                # ... and this many times as busy is passed over
+ASK_TIMEOUT_S = 0.1              # a worker that answers /cached_prefix later is routed by the index alone
 
 
 class Policy(str, enum.Enum):
@@ -86,12 +95,14 @@ def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | No
 
 
 class PromptKey:
-    """A prompt's token ids (and its request's cache salt), hashed per block size on first use."""
+    """A prompt's token ids (and its request's cache salt), hashed per block size on first use;
+    `reported`: the leading blocks each asked worker said it holds (`CacheAwareRouter.ask`)."""
 
     def __init__(self, token_ids: Sequence[int], cache_salt: str | None = None) -> None:
         self.token_ids = token_ids
         self.cache_salt = cache_salt
         self._hashes: dict[int, list[int]] = {}
+        self.reported: dict[WorkerEndpoint, int] = {}
 
     def hashes(self, block_size: int) -> list[int]:
         if block_size not in self._hashes:
@@ -138,6 +149,7 @@ class CacheAwareRouter:
         self.max_blocks_per_worker = max_blocks_per_worker
         self.decisions: dict[Reason, int] = {r: 0 for r in Reason}
         self.on_decision: Callable[[str], None] | None = None  # metrics
+        self.on_ask: Callable[[bool], None] | None = None      # metrics: one call per worker asked (answered?)
         self._index: dict[WorkerEndpoint, PrefixIndex] = {}
 
     def placement(self, key: PromptKey | None) -> Placement:
@@ -163,6 +175,40 @@ class CacheAwareRouter:
             idx = self._index[w] = PrefixIndex(min(pool, self.max_blocks_per_worker), w.info)
         return idx
 
+    async def ask(self, client: WorkerClient, workers: Iterable[WorkerEndpoint], key: PromptKey) -> None:
+        """Fill `key.reported`: ask the available workers what leading blocks of the prompt
+        they hold (in the device pool or the host tier), where an answer could change a choice:
+        cache-aware routing, a role with two workers or more, a worker with a prefix cache. The
+        names are computed once per distinct chain (salt and block size), off the event loop;
+        the workers are asked at once, and those that do not answer within `ASK_TIMEOUT_S`
+        count only by the index. An answer carries the worker's load too, which replaces the
+        last poll's: with several routers, what the others sent since counts."""
+        if self.policy is not Policy.CACHE_AWARE:
+            return
+        by_role: dict[Role, list[WorkerEndpoint]] = {}
+        for w in workers:
+            if w.available and w.info is not None and w.info.prefix_salt:
+                by_role.setdefault(w.role, []).append(w)
+        asked = [w for ws in by_role.values() if len(ws) > 1 for w in ws]
+        chains = {(w.info.prefix_salt, _block_size(w)) for w in asked}
+        if not asked or len(key.token_ids) < min(bs for _, bs in chains):
+            return
+
+        def names() -> dict[tuple[str, int], str]:
+            return {(salt, bs): b"".join(worker_block_names(key.token_ids, bs,
+                                                             request_salt(bytes.fromhex(salt), key.cache_salt))).hex()
+                    for salt, bs in chains}
+
+        chain_names = await asyncio.to_thread(names)
+        answers = await asyncio.gather(*(client.cached_prefix(w.url, chain_names[w.info.prefix_salt, _block_size(w)],
+                                                              ASK_TIMEOUT_S) for w in asked))
+        for w, answer in zip(asked, answers):
+            if answer is not None:
+                key.reported[w] = answer.device_blocks + answer.host_blocks
+                w.load = answer.load  # fresher than the last poll: other routers' requests count
+            if self.on_ask is not None:
+                self.on_ask(answer is not None)
+
     def decide(self, workers: Sequence[WorkerEndpoint], key: PromptKey | None) -> Decision | None:
         """The worker for one choice among `workers` (pure: nothing is recorded)."""
         least = least_loaded(list(workers))
@@ -173,6 +219,7 @@ class CacheAwareRouter:
         best, matched = least, 0
         for w in sorted(workers, key=_load_order):  # ties: the least loaded first
             n = self.index(w).match(key.hashes(_block_size(w))) if w in self._index else 0
+            n = max(n, key.reported.get(w, 0))
             if n > matched:
                 best, matched = w, n
         if matched == 0:

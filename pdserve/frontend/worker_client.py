@@ -17,8 +17,9 @@ from typing import TypeVar
 import httpx
 from pydantic import BaseModel, ValidationError
 
-from pdserve.worker_api import (AbortRequest, CacheReset, ErrorBody, ErrorCode, GenerateRequest, Health, Info, Load,
-                                PeerDead, PeerDeadResult, PrefillRequest, StreamLine, parse_line)
+from pdserve.worker_api import (AbortRequest, CachedPrefix, CachedPrefixQuery, CacheReset, ErrorBody, ErrorCode,
+                                GenerateRequest, Health, Info, Load, PeerDead, PeerDeadResult, PrefillRequest,
+                                StreamLine, parse_line)
 
 logger = logging.getLogger(__name__)
 M = TypeVar("M", bound=BaseModel)
@@ -129,6 +130,16 @@ class WorkerClient:
         if r.status_code != 200:
             raise _refused(r)
         return CacheReset.model_validate_json(r.content).forgotten_blocks
+
+    async def cached_prefix(self, url: str, names: str, timeout_s: float) -> CachedPrefix | None:
+        """POST /cached_prefix with a prompt's block names (hex); None when the worker did not
+        answer in time, or answered anything but 200 (routing then goes by its own index)."""
+        try:
+            r = await self.control.post(f"{url}/cached_prefix", content=CachedPrefixQuery(names=names).wire_json(),
+                                        headers={"Content-Type": "application/json"}, timeout=timeout_s)
+            return CachedPrefix.model_validate_json(r.content) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValidationError):
+            return None
 
     async def _get(self, url: str, path: str, model: type[M], timeout_s: float) -> M | None:
         try:

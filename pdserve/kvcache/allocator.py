@@ -6,9 +6,9 @@
   is never overwritten and it is never evicted: `allocate` only hands out empty blocks and
   evicts only unreferenced ones.
 * *cached* (unreferenced): nobody holds it, but it keeps a computed block whose name (its
-  chained hash, `prefix.py`) is in the index, so a later request with the same prefix can take
-  it back (`acquire`). These are evicted least recently released first, and only when an
-  allocation finds no empty block.
+  chained hash, `pdserve/block_names.py`) is in the index, so a later request with the same
+  prefix can take it back (`acquire`). These are evicted least recently released first, and
+  only when an allocation finds no empty block.
 * *empty*: no holder, no content worth keeping.
 
 A cached block is either *named* (full: its chained hash is in the index) or a *tail*: the
@@ -31,8 +31,9 @@ import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
+from pdserve.block_names import BlockHash
+
 from .host import HostTier
-from .prefix import BlockHash
 
 
 MAX_TAILS_PER_PARENT = 4  # more would make a lookup scan many; a fifth one is not kept

@@ -1,9 +1,9 @@
 """The second tier: copies of evicted device blocks kept in host memory, by name.
 
 When the device pool evicts a cached block (`BlockAllocator._evict`), its bytes are copied
-here under its name (the chained hash of `prefix.py`); a later request whose chain continues
-past the device's cached blocks into this tier gets fresh device blocks loaded from here
-before the step's forward. Least recently saved or used copies are dropped first when the tier
+here under its name (the chained hash of `pdserve/block_names.py`); a later request whose
+chain continues past the device's cached blocks into this tier gets fresh device blocks loaded
+from here before the step's forward. Least recently saved or used copies are dropped first when the tier
 is full; a copy being loaded this step is pinned and never dropped or overwritten.
 
 Copies are issued inside `Scheduler.apply`, before the step's forward: the evicted block is
@@ -32,7 +32,7 @@ from collections import OrderedDict, deque
 import torch
 
 from .pool import KVPool
-from .prefix import BlockHash
+from pdserve.block_names import BlockHash
 
 
 class HostTier:

@@ -41,8 +41,9 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.block_names import BlockHash, extend_hashes, request_salt
 from pdserve.engine.sequence import FinishReason, KVRole, Sequence, SequenceStatus
-from pdserve.kvcache import BlockAllocator, BlockHash, Tail, extend_hashes, salt_of
+from pdserve.kvcache import BlockAllocator, Tail
 from pdserve.logs import about
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -60,7 +61,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512  # the chunked-prefill token budget of one step
     max_model_len: int = 8192
-    cache_salt: bytes = b""  # starts every block-name chain (kvcache/prefix.py: salt_of)
+    cache_salt: bytes = b""  # starts every block-name chain (block_names.py: salt_of)
     overlap: bool = False  # plans are made while the previous forward runs (see above)
     # of max_num_batched_tokens, the most a step in which a request samples (a decode, a
     # prompt's last chunk) computes only for their KV (prompt tokens, bar the last): bounds
@@ -295,11 +296,8 @@ class Scheduler:
         return self.allocator.lookup(names)
 
     def _salt(self, params: SamplingParams) -> BlockHash:
-        """Where a request's chain of block names starts: the worker's salt, or, for a request
-        with a `cache_salt`, a digest of both (it shares blocks only with that salt's requests)."""
-        if params.cache_salt is None:
-            return self.config.cache_salt
-        return salt_of(self.config.cache_salt, params.cache_salt)
+        """Where a request's chain of block names starts (`request_salt`)."""
+        return request_salt(self.config.cache_salt, params.cache_salt)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)

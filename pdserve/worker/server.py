@@ -18,14 +18,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
+from pdserve.block_names import NAME_BYTES
 from pdserve.engine.sequence import FinishReason as Ended, TokenLogprobs
 from pdserve.logs import REQUEST_ID, about
 from pdserve.metrics import ABORT_ORIGINS, CONTENT_TYPE
 from pdserve.scheduler.plan import KVPeer, StepOutput
 from pdserve.worker_api import (LOGPROB_FLOOR, NDJSON, RETRY_AFTER_S, AbortRequest, AbortResult, Bootstrap,
-                                CacheReset, ErrorBody, ErrorCode, FinishReason, GenerateRequest, Health,
-                                HealthStatus, Info, Load, PeerDead, PeerDeadResult, PrefillDone, PrefillRequest,
-                                Role, Room, RoomLine, SamplingParams, TokenLine, TokenLogprob, line)
+                                CachedPrefix, CachedPrefixQuery, CacheReset, ErrorBody, ErrorCode, FinishReason,
+                                GenerateRequest, Health, HealthStatus, Info, Load, PeerDead, PeerDeadResult,
+                                PrefillDone, PrefillRequest, Role, Room, RoomLine, SamplingParams, TokenLine,
+                                TokenLogprob, line)
 
 from .lease import RouterLease
 from .peers import PeerRooms
@@ -165,7 +167,8 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
                     max_model_len=sched.config.max_model_len, block_size=sched.config.block_size,
                     num_blocks=sched.allocator.num_blocks, tp=worker.settings.tp,
                     eos_token_ids=sorted(sched.eos_token_ids), max_num_seqs=sched.config.max_num_seqs,
-                    incarnation=incarnation).wire()
+                    incarnation=incarnation,
+                    prefix_salt=engine.prefix_salt.hex() if engine.prefix_salt is not None else "").wire()
 
     @app.get("/load")
     async def load() -> dict:
@@ -203,6 +206,25 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
             logger.info("prefix cache reset: %d cached block(s) forgotten", forgotten)
             return JSONResponse(CacheReset(forgotten_blocks=forgotten).wire())
         return error(ErrorCode.DRAINING, f"the worker stopped: {worker.error}")
+
+    @app.post("/cached_prefix")
+    async def cached_prefix(request: Request) -> Response:
+        """How much of a prompt (its block names) this worker's prefix cache holds: routing asks."""
+        lease.renew()
+        body = await parse(request, CachedPrefixQuery)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            raw = bytes.fromhex(body.names)
+        except ValueError:
+            return error(ErrorCode.BAD_REQUEST, "names must be one hex string")
+        most = engine.scheduler.config.max_model_len // engine.scheduler.config.block_size
+        if len(raw) % NAME_BYTES or len(raw) // NAME_BYTES > most:
+            return error(ErrorCode.BAD_REQUEST, f"names must be at most {most} names of {NAME_BYTES} bytes")
+        names = [raw[i:i + NAME_BYTES] for i in range(0, len(raw), NAME_BYTES)]
+        device, host = engine.cached_prefix(names)
+        load = Load.model_validate(worker.load())
+        return JSONResponse(CachedPrefix(device_blocks=device, host_blocks=host, load=load).wire())
 
     @app.post("/abort")
     async def abort(request: Request) -> Response:

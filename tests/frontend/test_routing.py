@@ -8,7 +8,8 @@ import pytest
 
 from pdserve.frontend.admission import Admission, AdmissionConfig
 from pdserve.frontend.errors import APIError
-from pdserve.frontend.routing import CacheAwareRouter, Policy, PrefixIndex, PromptKey, Reason, block_hashes
+from pdserve.frontend.routing import (CacheAwareRouter, Decision, Policy, PrefixIndex, PromptKey, Reason,
+                                      block_hashes)
 from pdserve.frontend.worker_client import Probe
 from pdserve.frontend.workers import WorkerPool
 from pdserve.metrics import RouterMetrics
@@ -159,6 +160,25 @@ def test_an_overloaded_holder_is_passed_over_for_the_least_loaded():
     assert adm.routing.decisions[Reason.BALANCE] == 1
     # the other worker now holds the hot prefix too: the next one goes to the less loaded holder
     assert picked[3] is other and adm.routing.decisions[Reason.PREFIX] == 3
+
+
+def test_what_a_worker_reports_holding_counts_as_the_index_does():
+    """`ask` fills `PromptKey.reported` with the workers' answers to /cached_prefix (end to end in
+    test_routing_e2e.py): a worker that reports more leading blocks than the index credits
+    another with gets the request, and an overloaded one is passed over as a holder would be."""
+    pool = pool_of(both=2)
+    router = CacheAwareRouter()
+    a, b = pool.workers
+    ids = prompt(0)
+    router.record(Decision(a, Reason.PREFIX, 0), PromptKey(ids[:2 * BS]))  # the index: a has the system prompt
+    key = PromptKey(ids)
+    key.reported[b] = 3  # b says it holds three blocks: another router sent it this conversation
+    assert router.decide(pool.workers, key) == Decision(b, Reason.PREFIX, 3)
+    key.reported[b] = 1  # fewer than the index credits a with
+    assert router.decide(pool.workers, key) == Decision(a, Reason.PREFIX, 2)
+    key.reported[b] = 3
+    b.load = Load(running=6)
+    assert router.decide(pool.workers, key) == Decision(a, Reason.BALANCE, 0)
 
 
 def test_least_loaded_routing_ignores_prefixes():

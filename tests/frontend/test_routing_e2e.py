@@ -2,10 +2,13 @@
 conversations, each with its own system prompt: every later turn goes to the worker that served
 the conversation's first turn (its prompt's earlier blocks come from that worker's cache, and
 each worker's own hit counter shows its conversation), and the answers are those of the PD
-server with one worker per role (`pd_server`), turn for turn."""
+server with one worker per role (`pd_server`), turn for turn. Then two more routers over the
+same workers (replicas): a turn routed by one reaches, through the other, the worker that holds
+it, because that router asks the workers (POST /cached_prefix)."""
 from __future__ import annotations
 
 import re
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,6 +17,9 @@ import httpx
 import openai
 import pytest
 
+from pdserve.block_names import block_hashes, request_salt
+from pdserve.launcher import Child, start_child, stop_children, wait_ready
+from pdserve.ports import free_port
 from tests.frontend.conftest import Server, start_server, stop_server
 from tests.frontend.router_cases import API_KEY
 
@@ -98,3 +104,68 @@ def test_later_turns_go_to_the_worker_of_the_first_and_answer_as_one_worker(two_
     metrics = httpx.get(f"{two_workers.url}/metrics", timeout=10).text
     assert counter(metrics, "routing_decisions_total", reason="prefix") == 2 * (TURNS - 1)
     assert counter(metrics, "routing_decisions_total", reason="load") == 2
+
+
+def router_over(model_dir: str, urls: list[str], *flags: str) -> Child:
+    """`pdserve router` over these workers (in this order), once ready."""
+    port = free_port()
+    workers = [arg for url in urls for arg in ("--worker", url)]
+    cmd = [sys.executable, "-m", "pdserve.cli", "router", "--model", model_dir, *workers, *flags, "--port", str(port)]
+    child = start_child("router", cmd, f"http://127.0.0.1:{port}")
+    wait_ready([child], 300)
+    return child
+
+
+def held(url: str, prompt_ids: list[int], body: dict | None = None) -> httpx.Response:
+    """POST /cached_prefix for a prompt, named as the worker at `url` names it."""
+    info = httpx.get(f"{url}/info", timeout=10).json()
+    names = block_hashes(prompt_ids, info["block_size"], request_salt(bytes.fromhex(info["prefix_salt"]), None))
+    return httpx.post(f"{url}/cached_prefix", json=body or {"names": b"".join(names).hex()}, timeout=10)
+
+
+@pytest.mark.parametrize("ask", [True, False], ids=["asking", "--no-ask-caches"])
+def test_a_turn_routed_by_another_router_finds_the_worker_that_holds_it(two_workers, default_model_dir, ask):
+    """Turn 1 goes through a router that knows only the second worker; turn 2 through a router
+    over both (the first listed first), which never routed this conversation. Asking the
+    workers, it sends turn 2 to the second worker, which reuses turn 1; without asking, it has
+    nothing to go by but load, and the first worker computes the whole prompt."""
+    urls = worker_urls(two_workers)
+    first = router_over(default_model_dir, [urls[1]])
+    second = router_over(default_model_dir, urls, *(() if ask else ("--no-ask-caches",)))
+    try:
+        messages = [{"role": "system", "content": f"Session {uuid.uuid4().hex}. You answer briefly. " * 3},
+                    {"role": "user", "content": "Turn 0: name a color and a fruit."}]
+        before = [cache_counts(u) for u in urls]
+        r = httpx.post(f"{first.url}/v1/chat/completions", timeout=120, json={
+            "messages": messages, "max_tokens": 6, "temperature": 0, "return_token_ids": True})
+        assert r.status_code == 200, r.text
+        assert served_by(urls, before, 0) == 1
+        prompt_ids = r.json()["prompt_token_ids"]
+        # what each worker says it holds of turn 1's prompt: all its full blocks, or nothing
+        for url, blocks in ((urls[1], len(prompt_ids) // BLOCK), (urls[0], 0)):
+            answer = held(url, prompt_ids).json()
+            assert (answer["device_blocks"], answer["host_blocks"]) == (blocks, 0), (url, answer)
+            assert answer["load"]["in_flight"] == 0 and answer["load"]["total_blocks"] > 0, answer
+        bad = held(urls[1], prompt_ids, {"names": "abc"})
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_request", bad.text
+
+        messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "Turn 1: and a vegetable?"}]
+        before = [cache_counts(u) for u in urls]
+        r = httpx.post(f"{second.url}/v1/chat/completions", timeout=120, json={
+            "messages": messages, "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        metrics = httpx.get(f"{second.url}/metrics", timeout=10).text
+        if ask:
+            assert served_by(urls, before, cached) == 1
+            assert cached >= len(prompt_ids) // BLOCK * BLOCK > 0, (cached, len(prompt_ids))
+            assert counter(metrics, "routing_decisions_total", reason="prefix") == 1
+            assert counter(metrics, "routing_cache_queries_total", outcome="answered") == 2
+        else:
+            assert served_by(urls, before, cached) == 0
+            assert cached == 0
+            assert counter(metrics, "routing_decisions_total", reason="load") == 1
+            assert counter(metrics, "routing_cache_queries_total", outcome="answered") == 0
+    finally:
+        stop_children([first, second])
