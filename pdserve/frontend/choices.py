@@ -244,6 +244,9 @@ class ChoiceRun:
             if self._failure is None:
                 raise
             self._end_with_error(self._failure)  # fail() while a retry waited for a route
+        except Exception as e:  # a bug of ours: the client gets a 500 now, not a stream that never ends
+            logger.exception("[%s] the choice failed inside the router", self.rid)
+            self._end_with_error(internal(f"the router failed this request: {type(e).__name__}: {e}"))
         finally:
             self.close()
 

@@ -189,9 +189,11 @@ class CacheAwareRouter:
         for w in workers:
             if w.available and w.info is not None and w.info.prefix_salt:
                 by_role.setdefault(w.role, []).append(w)
-        asked = [w for ws in by_role.values() if len(ws) > 1 for w in ws]
-        chains = {(w.info.prefix_salt, _block_size(w)) for w in asked}
-        if not asked or len(key.token_ids) < min(bs for _, bs in chains):
+        # each worker's chain, read now: a worker's /info is dropped when it leaves the rotation
+        chain_of = {w: (w.info.prefix_salt, _block_size(w)) for ws in by_role.values() if len(ws) > 1
+                    for w in ws if w.info is not None}
+        chains = set(chain_of.values())
+        if not chains or len(key.token_ids) < min(bs for _, bs in chains):
             return
 
         def names() -> dict[tuple[str, int], str]:
@@ -200,8 +202,9 @@ class CacheAwareRouter:
                     for salt, bs in chains}
 
         chain_names = await asyncio.to_thread(names)
-        answers = await asyncio.gather(*(client.cached_prefix(w.url, chain_names[w.info.prefix_salt, _block_size(w)],
-                                                              ASK_TIMEOUT_S) for w in asked))
+        asked = list(chain_of)
+        answers = await asyncio.gather(*(client.cached_prefix(w.url, chain_names[chain_of[w]], ASK_TIMEOUT_S)
+                                         for w in asked))
         for w, answer in zip(asked, answers):
             if answer is not None:
                 key.reported[w] = answer.device_blocks + answer.host_blocks

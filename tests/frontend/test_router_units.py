@@ -531,3 +531,28 @@ def test_a_choice_failed_before_its_first_step_still_ends_with_an_error_and_abor
     assert len(events) == 1 and events[0].error.status == 503
     assert aborts == [["http://d", "http://p"]]
     assert not route.decode.inflight and not route.prefill.inflight
+
+
+def test_a_bug_inside_the_router_ends_the_choice_with_a_500_not_a_stream_that_never_ends(tokenizer):
+    """A choice whose run raises something unplanned (here: it has no worker client at all, so
+    its /generate call raises AttributeError) ends with an internal error event, is counted out
+    of its workers, and its task does not die with the exception unseen."""
+    import asyncio
+
+    from pdserve.frontend.choices import ChoiceRun, ChoiceSpec, Services
+    from pdserve.frontend.workers import Route, WorkerEndpoint
+
+    async def scenario():
+        events = []
+        route = Route(WorkerEndpoint("http://d", Role.BOTH), None)
+        run = ChoiceRun(ChoiceSpec(0, "r", [1, 2], SamplingParams()), route, TextDecoder(tokenizer, []),
+                        events.append, Services(None, lambda coro: coro.close()))
+        run.start()
+        await asyncio.wait({run._task}, timeout=5)
+        return events, route, run._task
+
+    events, route, task = asyncio.run(scenario())
+    assert task.done() and task.exception() is None
+    assert len(events) == 1 and events[0].error.status == 500
+    assert "AttributeError" in events[0].error.message
+    assert not route.decode.inflight

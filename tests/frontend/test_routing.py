@@ -10,7 +10,7 @@ from pdserve.frontend.admission import Admission, AdmissionConfig
 from pdserve.frontend.errors import APIError
 from pdserve.frontend.routing import (CacheAwareRouter, Decision, Policy, PrefixIndex, PromptKey, Reason,
                                       block_hashes)
-from pdserve.frontend.worker_client import Probe
+from pdserve.frontend.worker_client import Probe, WorkerClient
 from pdserve.frontend.workers import WorkerPool
 from pdserve.metrics import RouterMetrics
 from pdserve.worker_api import Info, Load
@@ -179,6 +179,30 @@ def test_what_a_worker_reports_holding_counts_as_the_index_does():
     key.reported[b] = 3
     b.load = Load(running=6)
     assert router.decide(pool.workers, key) == Decision(a, Reason.BALANCE, 0)
+
+
+def test_a_worker_that_leaves_the_rotation_while_it_is_asked_counts_as_unanswered():
+    """The pool drops a worker's /info when it leaves the rotation, which may happen while `ask`
+    names the prompt's blocks in a thread (a chaos run found a choice dying of it). Here the
+    first worker leaves at that moment; nobody listens at either URL, so neither answers."""
+    pool = pool_of(both=2)
+    for w in pool.workers:
+        w.info = w.info.model_copy(update={"prefix_salt": "ab" * 16})
+    router = CacheAwareRouter()
+    outcomes: list[bool] = []
+    router.on_ask = outcomes.append
+    key = PromptKey(prompt(0))
+
+    async def go():
+        client = WorkerClient()
+        asyncio.get_running_loop().call_soon(setattr, pool.workers[0], "info", None)
+        try:
+            await router.ask(client, pool.workers, key)
+        finally:
+            await client.aclose()
+    asyncio.run(go())
+    assert pool.workers[0].info is None  # it left while the names were computed
+    assert outcomes == [False, False] and key.reported == {}
 
 
 def test_least_loaded_routing_ignores_prefixes():
