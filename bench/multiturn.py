@@ -25,7 +25,7 @@ load).
 
 `--routers N` puts N routers in front of the workers of those servers (the server's own and
 N − 1 more `pdserve router`s over its workers, as replicas behind one Service would be), and
-each session sends each turn through another router than its last. `--routings` may name
+each session sends each turn through a different router from its last. `--routings` may name
 `cache-aware-no-ask` (cache-aware, `--no-ask-caches`): routers that go only by what each of them
 sent where, against the default, which asks the workers what they hold.
 
