@@ -10,6 +10,7 @@ import json
 import logging
 import secrets
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import TypeVar
 
 import httpx
@@ -103,8 +104,22 @@ def token_logprob(lp: TokenLogprobs) -> TokenLogprob:
 
 def build_app(worker: Worker, model_name: str, internal_token: str | None = None,
               router_lease_s: float = 0.0) -> FastAPI:
-    app = FastAPI(title=f"pdserve {worker.settings.role} worker")
     lease = RouterLease(router_lease_s)  # renewed by every router call (lease.py)
+    watcher: list[asyncio.Task[None]] = []
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        lease.renew()
+        if lease.enabled:
+            watcher.append(asyncio.create_task(watch_lease(), name="router-lease"))
+        try:
+            yield
+        finally:
+            for task in watcher:
+                task.cancel()
+            await http.aclose()
+
+    app = FastAPI(title=f"pdserve {worker.settings.role} worker", lifespan=lifespan)
     app.add_middleware(RequestIdContext)
     if internal_token:
         app.add_middleware(InternalToken, token=internal_token)
@@ -359,19 +374,5 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
             for rid in ids:
                 worker.abort(rid, "abort", origin="timeout")
             lease.renew()  # the next round of aborts, if any, after another lease
-
-    watcher: list[asyncio.Task[None]] = []
-
-    @app.on_event("startup")
-    async def _start() -> None:
-        lease.renew()
-        if lease.enabled:
-            watcher.append(asyncio.create_task(watch_lease(), name="router-lease"))
-
-    @app.on_event("shutdown")
-    async def _close() -> None:
-        for task in watcher:
-            task.cancel()
-        await http.aclose()
 
     return app
