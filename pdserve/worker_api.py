@@ -290,6 +290,9 @@ class TokenLine(_Message):
     # with an ``error`` finish: the KV transfer failed because the prefill worker died (not a
     # fault of this request: the router answers 503, which the client may retry)
     peer_dead: bool = False
+    # with an ``error`` finish: a TP rank process of this worker died, so the worker stops (not a
+    # fault of this request either: 503, and the router may run it again elsewhere)
+    worker_died: bool = False
     cached_tokens: int | None = None  # with the finish: prompt tokens reused from the prefix cache
 
 

@@ -398,8 +398,10 @@ class ChoiceRun:
             return True
         if reason is not None:
             why = line.error or f"the worker ended the request ({reason.value})"
-            # the prefill worker died under the KV transfer: a worker died under the request
-            raise (internal(why) if reason is FinishReason.ERROR and not line.peer_dead else unavailable(why))
+            # the prefill worker died under the KV transfer, or a rank of this worker died: a
+            # worker died under the request (503, and it may run again elsewhere)
+            died = line.peer_dead or line.worker_died
+            raise (internal(why) if reason is FinishReason.ERROR and not died else unavailable(why))
         return False
 
     def _finish(self, reason: str) -> None:

@@ -153,6 +153,7 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     error: str | None = None
     peer_dead: bool = False  # with an ERROR finish: its KV transfer failed because the other worker died
+    worker_died: bool = False  # with an ERROR finish: a rank process of this worker died (it stops)
     room_blocks: list[int] | None = None  # decode: the room's blocks for the KV to be written
     room_cached: int = 0  # decode: the prompt's leading blocks its cache holds (before room_blocks)
     cached_tokens: int | None = None  # with the finish: prompt tokens this worker took from its cache

@@ -89,7 +89,7 @@ def output_line(out: StepOutput) -> TokenLine:
     return TokenLine(token_ids=[] if out.token_id is None else [out.token_id],
                      logprobs=None if lp is None else [token_logprob(lp)],
                      finish_reason=None if out.finish_reason is None else FinishReason(out.finish_reason),
-                     error=out.error, peer_dead=out.peer_dead,
+                     error=out.error, peer_dead=out.peer_dead, worker_died=out.worker_died,
                      cached_tokens=out.cached_tokens if out.finish_reason else None,
                      prompt_logprobs=None if out.prompt_logprobs is None else [
                          None if e is None else token_logprob(e) for e in out.prompt_logprobs])
@@ -354,6 +354,8 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
                         bootstraps.pop(body.decode.worker_id, None)
                         if out.peer_dead:  # not this prefill's fault: the decode worker is gone
                             return error(ErrorCode.DECODE_UNREACHABLE, out.error or "the decode worker died")
+                        if out.worker_died:  # nor the request's: this worker stops (503, Retry-After)
+                            return error(ErrorCode.DRAINING, out.error or "a rank of this worker died")
                         return error(ErrorCode.PREFILL_FAILED, out.error or "the prefill failed")
                     return error(ErrorCode.ABORTED, out.error or "aborted")
         finally:

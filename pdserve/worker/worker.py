@@ -155,7 +155,7 @@ class Worker:
             # are told the cause, the log keeps the transport's own message.
             dead = [p.name for p in self.ranks if not p.is_alive()]
             self.error = f"TP rank process {dead[0]} died" if dead else f"the scheduler loop failed: {e}"
-            self._fail_all(self.error)
+            self._fail_all(self.error, worker_died=bool(dead))
             self.on_fatal()
         finally:
             self.runtime.close()
@@ -205,8 +205,10 @@ class Worker:
                     loop, q = entry
                     loop.call_soon_threadsafe(q.put_nowait, out)
 
-    def _fail_all(self, error: str) -> None:
-        self._dispatch([StepOutput(rid, finish_reason=FinishReason.ERROR, error=error)
+    def _fail_all(self, error: str, worker_died: bool = False) -> None:
+        """Every request ends with `error`; `worker_died`: a rank process died (no request's
+        fault, so the router may run them again elsewhere), not a failed step."""
+        self._dispatch([StepOutput(rid, finish_reason=FinishReason.ERROR, error=error, worker_died=worker_died)
                         for rid in list(self._queues)])
 
     def stop(self) -> None:
