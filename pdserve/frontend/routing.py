@@ -190,8 +190,7 @@ class CacheAwareRouter:
             if w.available and w.info is not None and w.info.prefix_salt:
                 by_role.setdefault(w.role, []).append(w)
         # each worker's chain, read now: a worker's /info is dropped when it leaves the rotation
-        chain_of = {w: (w.info.prefix_salt, _block_size(w)) for ws in by_role.values() if len(ws) > 1
-                    for w in ws if w.info is not None}
+        chain_of = {w: (w.info.prefix_salt, _block_size(w)) for ws in by_role.values() if len(ws) > 1 for w in ws}
         chains = set(chain_of.values())
         if not chains or len(key.token_ids) < min(bs for _, bs in chains):
             return
