@@ -8,8 +8,8 @@ process drawn from the server's tree: SIGKILL of a worker's rank 0 or of a follo
 supervisor restarts the whole worker), or SIGSTOP for 1–5 s then SIGCONT of any process, the
 router included (the router itself is never killed: nothing above it would restart it).
 
-Checks (the summary also sums the workers' prefix-cache counters over the run: tokens found
-in the cache, of them in host memory, and blocks evicted):
+Checks (the summary also sums the workers' counters over the run: tokens found in the prefix
+cache, of them in host memory, blocks evicted, and requests preempted):
 
 * every request either succeeded or failed with an OpenAI error object (a JSON error body, or
   an SSE error event as a stream's last event): never a cut connection, never a stream that
@@ -30,7 +30,12 @@ prompts, more than the pool holds, so that blocks also move between the tiers:
         --serve-arg=--host-cache-memory=256MiB
 
 `--priorities` runs the server with `--scheduling-policy priority` and gives requests random
-priorities, so the faults also land on a queue and on workers that order by priority.
+priorities, so the faults also land on a queue and on workers that order by priority. Colocated
+(`--serve-arg=--mode=colocated`), the colocated workers' rank 0 is killed too; with a small
+`--max-num-seqs` there, requests of a smaller priority preempt running ones while faults land:
+
+    python bench/chaos.py --priorities --serve-arg=--mode=colocated --serve-arg=--workers=2 \
+        --serve-arg=--max-num-seqs=2
 
 Exit status 0 when every check passed; the summary is printed as JSON (and --out FILE).
 """
@@ -228,14 +233,15 @@ async def load(url: str, until: float, clients: int, seed: int, tally: Tally, mi
     await asyncio.gather(*(client(i) for i in range(clients)))
 
 
-CACHE_COUNTERS = {"hit_tokens": "pdserve:prefix_cache_hits_total",
-                  "host_hit_tokens": "pdserve:prefix_cache_host_hits_total",
-                  "evicted_blocks": "pdserve:prefix_cache_evictions_total"}
+WORKER_COUNTERS = {"hit_tokens": "pdserve:prefix_cache_hits_total",
+                   "host_hit_tokens": "pdserve:prefix_cache_host_hits_total",
+                   "evicted_blocks": "pdserve:prefix_cache_evictions_total",
+                   "preempted": "pdserve:num_preemptions_total"}
 
 
-async def cache_counts(url: str, until: float, totals: dict[str, int]) -> None:
-    """Sum each worker's prefix-cache counters over the run, across its restarts (a restarted
-    worker counts from 0 again), so the summary shows the cache was in use while faults landed."""
+async def worker_counts(url: str, until: float, totals: dict[str, int]) -> None:
+    """Sum each worker's counters over the run, across its restarts (a restarted worker counts
+    from 0 again), so the summary shows the cache (and preemption) at work while faults landed."""
     last: dict[tuple[str, str], int] = {}
     async with httpx.AsyncClient(timeout=5.0, trust_env=False) as http:
         while time.monotonic() < until:
@@ -246,7 +252,7 @@ async def cache_counts(url: str, until: float, totals: dict[str, int]) -> None:
             except (httpx.HTTPError, ValueError, KeyError):
                 continue  # a worker restarting or paused: its counts are taken at the next sample
             for worker, text in texts.items():
-                for key, name in CACHE_COUNTERS.items():
+                for key, name in WORKER_COUNTERS.items():
                     value = int(sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name)))
                     before = last.get((worker, key), 0)
                     totals[key] = totals.get(key, 0) + (value - before if value >= before else value)
@@ -264,6 +270,8 @@ def victims(serve_pid: int) -> list[tuple[int, str]]:
             out.append((pid, "follower rank"))
         elif " prefill " in cmd or " decode " in cmd:
             out.append((pid, ("prefill" if " prefill " in cmd else "decode") + " rank 0"))
+        elif " worker --role both " in cmd:  # --serve-arg=--mode=colocated
+            out.append((pid, "colocated rank 0"))
     return out
 
 
@@ -293,11 +301,11 @@ async def faults(serve_pid: int, until: float, every_s: float, seed: int, tally:
         print(f"chaos: {tally.faults[-1]}", file=sys.stderr, flush=True)
 
 
-async def run(url: str, serve_pid: int, args: argparse.Namespace, tally: Tally, cache: dict[str, int]) -> None:
+async def run(url: str, serve_pid: int, args: argparse.Namespace, tally: Tally, counts: dict[str, int]) -> None:
     until = time.monotonic() + args.duration
     mix = Mix(system_prompts(args.system_words, args.system_prompts), PRIORITIES if args.priorities else (0,))
     await asyncio.gather(load(url, until, args.clients, args.seed, tally, mix),
-                         faults(serve_pid, until, args.every, args.seed, tally), cache_counts(url, until, cache))
+                         faults(serve_pid, until, args.every, args.seed, tally), worker_counts(url, until, counts))
 
 
 def serves_again(url: str, timeout_s: float) -> float | None:
@@ -347,14 +355,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         wait_ready(url, proc, 600)
         started = time.monotonic()
-        cache: dict[str, int] = {}
-        asyncio.run(run(url, proc.pid, args, tally, cache))
+        counts: dict[str, int] = {}
+        asyncio.run(run(url, proc.pid, args, tally, counts))
         healed = serves_again(url, HEAL_S)
         idle, loads = workers_idle(url, None, 60)
         summary = {
             "duration_s": round(time.monotonic() - started), "tp": args.tp, "clients": args.clients,
             "system_words": args.system_words, "serve_args": args.serve_arg, "priorities": args.priorities,
-            "prefix_cache": cache, "system_prompts": args.system_prompts,
+            "worker_counts": counts, "system_prompts": args.system_prompts,
             "faults": len(tally.faults), "fault_list": tally.faults,
             "ok": tally.ok, "ok_by_api": tally.ok_by_api, "failed_with_error_object": tally.errors, "unexpected": tally.unexpected[:50],
             "unexpected_count": len(tally.unexpected), "serve_running": proc.poll() is None,

@@ -1,6 +1,9 @@
 """Priority scheduling under overload (README, "Priority"). A colocated `pdserve serve` runs at
 most `--max-running` requests; `--background` clients keep it full with long requests, and one
-short foreground request arrives every `--every` seconds on average. Measured: each class's time
+short foreground request arrives every `--every` seconds on average. `--bound router` (the
+default) holds them at the router (`--max-running`): the router's queue orders them. `--bound
+worker` holds them at the worker (`--max-num-seqs`; the router lets one more batch wait there):
+the worker's scheduler orders them and preempts a running request for a smaller priority. Measured: each class's time
 to first token, the foreground's against the background's, with `--scheduling-policy priority`
 (background priority 5, foreground -1) and under `fcfs` (no priorities sent), servers in turn in
 one run (`--rounds`), the same seeded arrivals for both.
@@ -97,7 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=60.0, help="seconds of load per server")
     p.add_argument("--rounds", type=int, default=1, help="each policy's server this many times, in turn")
-    p.add_argument("--max-running", type=int, default=2, help="the router's --max-running")
+    p.add_argument("--max-running", type=int, default=2,
+                   help="requests running at once: the router's --max-running or the worker's --max-num-seqs")
+    p.add_argument("--bound", choices=("router", "worker"), default="router",
+                   help="where --max-running holds the load: the router's queue, or the worker's")
     p.add_argument("--background", type=int, default=6, help="clients sending long requests back to back")
     p.add_argument("--background-tokens", type=int, default=48)
     p.add_argument("--every", type=float, default=1.0, help="mean seconds between foreground requests")
@@ -111,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for round_ in range(args.rounds):
         for policy in ("fcfs", "priority"):
-            command = (f"python -m pdserve.cli serve --mode colocated --max-running {args.max_running} "
+            bound = "--max-running" if args.bound == "router" else "--max-num-seqs"
+            command = (f"python -m pdserve.cli serve --mode colocated {bound} {args.max_running} "
                        f"--max-queue 1024 --queue-timeout 300 --scheduling-policy {policy}")
             print(f"round {round_ + 1}: {policy} ...", flush=True)
             srv = launch(command, args.log_dir)

@@ -13,7 +13,9 @@ head is admitted (a large request is not overtaken by small ones forever). With
 ``--scheduling-policy priority`` the queue is ordered by each request's ``priority`` (lower first,
 vLLM's convention; FIFO among equals): a request goes before every waiting one of a larger
 priority, and when the queue is full it takes the place of the last waiting one of a larger
-priority, which gets the 429. Room is looked for
+priority, which gets the 429. Under that policy a colocated worker that is full also takes a
+request for each of this router's requests there of a larger priority (at most its capacity
+again): the worker's scheduler preempts one of them for it. Room is looked for
 again whenever a request leaves a worker, a probe reports, or the pool's watch ticks. After
 ``--queue-timeout`` seconds in the queue, or at once when the queue is full, the request gets
 429 with ``Retry-After``. When no worker of a needed role is alive at all (all refused, failed,
@@ -145,24 +147,36 @@ class Admission:
             return self.config.worker_capacity
         return QUEUE_FACTOR * w.max_num_seqs if w.max_num_seqs else FALLBACK_CAPACITY
 
-    def has_room(self, w: WorkerEndpoint) -> bool:
+    def has_room(self, w: WorkerEndpoint, priority: int = 0) -> bool:
+        """Room on `w` for one more choice of `priority`: under its capacity, and not out of KV
+        blocks with requests waiting. Under the priority policy a colocated worker holding this
+        router's choices of a larger priority takes as many more (at most its capacity again):
+        its scheduler preempts them for it (README, "Priority")."""
         load = w.load
         kv_full = load.total_blocks > 0 and load.free_blocks == 0 and load.waiting > 0
-        return w.score() < self.capacity(w) and not kv_full
+        over = min(self._displaceable(w, priority), self.capacity(w))
+        return w.score() < self.capacity(w) + over and (not kv_full or over > 0)
+
+    def _displaceable(self, w: WorkerEndpoint, priority: int) -> int:
+        if self.config.scheduling_policy != "priority" or w.role is not Role.BOTH:
+            return 0  # a PD worker does not preempt a running stream for a new one
+        return sum(1 for choice in w.inflight if choice.priority > priority)
 
     def running(self) -> int:
         """Choices admitted and not ended, router-wide (counted on the decode-side workers)."""
         return sum(len(w.inflight) + w.reserved for w in self.pool.workers if w.role is not Role.PREFILL)
 
     def _take(self, n: int, key: PromptKey | None = None,
-              allowed: Callable[[WorkerEndpoint], bool] | None = None) -> list[Route] | None:
-        """Reserve routes for `n` choices of the prompt `key` on workers `allowed` (None: any),
-        or None (nothing reserved) when they do not all fit."""
+              allowed: Callable[[WorkerEndpoint], bool] | None = None, priority: int = 0) -> list[Route] | None:
+        """Reserve routes for `n` choices of the prompt `key` and `priority` on workers `allowed`
+        (None: any), or None (nothing reserved) when they do not all fit."""
         if self.config.max_running is not None and self.running() + n > self.config.max_running:
             return None
         self.routing.retain(self.pool.workers)
         placement = self.routing.placement(key)
-        fits = self.has_room if allowed is None else lambda w: self.has_room(w) and allowed(w)
+        def fits(w: WorkerEndpoint) -> bool:
+            return self.has_room(w, priority) and (allowed is None or allowed(w))
+
         routes: list[Route] = []
         try:
             for _ in range(n):
@@ -238,7 +252,7 @@ class Admission:
             raise overloaded(f"The request needs {n} sequences; this server runs at most {cap} at once.",
                              self.config.retry_after_s)
         if not self._queue or self._queue[0].priority > waiter.priority:  # it would be the head
-            routes = self._take(n, waiter.key, waiter.allowed)
+            routes = self._take(n, waiter.key, waiter.allowed, waiter.priority)
             if routes is not None:
                 self.stats.waited(0.0)
                 return routes
@@ -319,7 +333,7 @@ class Admission:
             if head.future.done():
                 self._queue.popleft()
                 continue
-            routes = self._take(head.n, head.key, head.allowed)
+            routes = self._take(head.n, head.key, head.allowed, head.priority)
             if routes is None:
                 return
             self._queue.popleft()

@@ -182,6 +182,11 @@ class ChoiceRun:
         self._ended = False             # the choice's last event was emitted
         self._enter(route)
 
+    @property
+    def priority(self) -> int:
+        """The request's `priority` (admission counts the choices a smaller one may preempt)."""
+        return self.params.priority
+
     def _enter(self, route: Route) -> None:
         # Counted on the workers now, so the next pick of the same request sees this one.
         self.route = route

@@ -18,7 +18,9 @@ never preempted (it waits for held rooms to give blocks back instead). A request
 (vLLM's; 0 unless the router runs the priority policy) orders both: waiting requests start in
 priority order, running ones are served and kept in it (the smaller first; arrival order among
 equals), so a preemption takes the newest of the largest priority, never one of a smaller
-priority than the request that needs the blocks.
+priority than the request that needs the blocks. A waiting request that finds no running slot
+or no blocks preempts running ones of a larger priority, where that lets it start
+(`_displace`, vLLM's and SGLang's priority preemption); with one priority nothing changes.
 
 Step budget (`_Budget`, docs/step-budget.md): a step computes at most
 `max_num_batched_tokens` tokens; if any request samples in it (a decode, or a prompt's last
@@ -37,6 +39,7 @@ output (grammar, penalties, min_tokens), which must then be complete.
 """
 from __future__ import annotations
 
+import copy
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -100,6 +103,12 @@ class _Books:
         self.taken.update(blocks)
         for b in blocks:
             self._delta[b] = self._delta.get(b, 0) + 1
+
+    def trial(self) -> _Books:
+        """A copy to try decisions on; this one is left as it is."""
+        other = copy.copy(self)
+        other._delta, other.taken = dict(self._delta), set(self.taken)
+        return other
 
 
 @dataclass
@@ -361,7 +370,9 @@ class Scheduler:
         running.sort(key=lambda s: s.priority)
         waiting.sort(key=lambda s: s.priority)
 
-        batch, preempted = [], []
+        batch: list[ScheduledChunk] = []
+        preempted = self._displace(running, waiting, books)
+        displaced = len(preempted)
         budget = _Budget(cfg.max_num_batched_tokens, cfg.max_prefill_tokens,
                          samples=any(s.num_pending == 1 for s in running), slack=cfg.first_token_slack)
         scheduled: set[str] = set()
@@ -387,7 +398,7 @@ class Scheduler:
             books.free -= need
             budget.take(n, slot.num_pending)
             batch.append(ScheduledChunk(slot.request_id, n))
-        if not preempted:
+        if len(preempted) == displaced:  # no running stream went short of blocks
             num_running = len(running)
             for slot in waiting:
                 if budget.tokens <= 0 or num_running >= cfg.max_num_seqs:
@@ -407,6 +418,38 @@ class Scheduler:
                 num_running += 1
                 batch.append(ScheduledChunk(slot.request_id, n, cached))
         return batch, preempted
+
+    def _displace(self, running: list[_Slot], waiting: list[_Slot], books: _Books) -> list[str]:
+        """Priority preemption (vLLM's and SGLang's): waiting requests, in order, that cannot start
+        for want of a running slot (`max_num_seqs`) or of blocks preempt running ones of a larger
+        priority, the newest of the largest first, and only where that lets them start. Takes
+        the victims out of `running` and releases their blocks in `books`; returns their ids."""
+        if not running or not waiting or running[-1].priority <= waiting[0].priority:
+            return []  # the common case: one priority, or the waiting ones rank below
+        trial, kept, victims, started = books.trial(), list(running), [], 0
+        for slot in waiting:  # as the admission loop will take them, counted the same way
+            hit, _ = self._cache_hit(slot, trial)
+            whole = self._blocks_for(slot.num_pending + 1) - len(hit)
+
+            def short() -> bool:
+                running_now = len(kept) + started
+                return (running_now >= self.config.max_num_seqs
+                        or whole + trial.take_cost(hit) + running_now > trial.free)
+
+            mine = []
+            while short() and kept and kept[-1].priority > slot.priority:
+                mine.append(kept.pop())
+                trial.release(mine[-1].blocks)
+            if short():
+                break  # it cannot start even so: it, and those after it, wait (none preempted for them)
+            trial.take(hit)
+            trial.free -= whole
+            started += 1
+            victims += mine
+        for victim in victims:
+            running.remove(victim)
+            books.release(victim.blocks)
+        return [v.request_id for v in victims]
 
     def _unresolved(self, seq: Sequence, grown: set[str]) -> int:
         """Overlap: tokens of `seq` the running forward samples (not in this plan); 0 otherwise."""

@@ -94,6 +94,41 @@ def test_prefix_cache_and_preemption_equal_the_plain_loop(tiny_llama_dir):
         over.close()
 
 
+def test_priority_preemption_equals_the_plain_loop(tiny_llama_dir):
+    """Two requests of priority -1 arrive while two of priority 5 run with room for two: they
+    take the running slots at once (in the overlapped loop, with the victims' tokens in flight),
+    and every request's tokens are the plain loop's."""
+    plain, over = _engines(tiny_llama_dir, max_num_seqs=2)
+
+    def drive(engine: LLMEngine) -> tuple[dict[str, list[int]], list[str]]:
+        for i in range(2):
+            engine.add_request(f"low{i}", PROMPTS[i], greedy(max_tokens=12, priority=5))
+        outputs, preempted = [], []
+        for _ in range(4):
+            plan, out = engine.step()
+            outputs += out
+        for i in range(2):
+            engine.add_request(f"high{i}", PROMPTS[2 + i], greedy(max_tokens=6, priority=-1))
+        while engine.has_work():
+            plan, out = engine.step()
+            outputs += out
+            preempted += plan.preempted
+        tokens: dict[str, list[int]] = {}
+        for o in outputs:
+            assert o.finish_reason != "error", o.error
+            if o.token_id is not None:
+                tokens.setdefault(o.request_id, []).append(o.token_id)
+        return tokens, preempted
+
+    try:
+        (ref, ref_preempted), (got, got_preempted) = drive(plain), drive(over)
+        assert got == ref
+        assert sorted(ref_preempted) == sorted(got_preempted) == ["low0", "low1"]
+        assert [len(ref[r]) for r in ("low0", "low1", "high0", "high1")] == [12, 12, 6, 6]
+    finally:
+        over.close()
+
+
 def test_an_abort_during_a_slow_forward_frees_blocks_only_after_it(tiny_llama_dir):
     engine = LLMEngine(EngineConfig(model=tiny_llama_dir, block_size=4, overlap=True, prefix_cache=False))
     gate = threading.Semaphore(0)

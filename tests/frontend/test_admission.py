@@ -22,16 +22,18 @@ class Clock:
 
 
 class Victim:
-    def __init__(self) -> None:
+    def __init__(self, priority: int = 0) -> None:
         self.errors: list[APIError] = []
+        self.priority = priority
 
     def fail(self, error: APIError) -> None:
         self.errors.append(error)
 
 
-def pool_of(prefill: int = 1, decode: int = 1, clock: Clock | None = None, max_num_seqs: int = 2) -> WorkerPool:
-    pool = WorkerPool(None, [f"p{i}:1" for i in range(prefill)], [f"d{i}:1" for i in range(decode)], [],
-                      slow_after_s=3.0, dead_after_s=30.0, clock=clock or Clock())
+def pool_of(prefill: int = 1, decode: int = 1, clock: Clock | None = None, max_num_seqs: int = 2,
+            both: int = 0) -> WorkerPool:
+    pool = WorkerPool(None, [f"p{i}:1" for i in range(prefill)], [f"d{i}:1" for i in range(decode)],
+                      [f"b{i}:1" for i in range(both)], slow_after_s=3.0, dead_after_s=30.0, clock=clock or Clock())
     for w in pool.workers:
         w.info = Info(role=w.role, worker_id=w.url, model="m", max_model_len=2048, block_size=16,
                       num_blocks=64, tp=1, eos_token_ids=[2], max_num_seqs=max_num_seqs)
@@ -83,17 +85,19 @@ async def hold(adm: Admission, n: int = 1, priority: int = 0) -> list[Victim]:
         victims = []
         for _ in range(n):
             route = ticket.pick()
-            v = Victim()
-            route.decode.inflight.add(v)
-            route.prefill.inflight.add(v)
+            v = Victim(priority)
+            for w in route:
+                if w is not None:
+                    w.inflight.add(v)
             victims.append((route, v))
     return victims
 
 
 def release(held) -> None:
     for route, v in held:
-        route.decode.inflight.discard(v)
-        route.prefill.inflight.discard(v)
+        for w in route:
+            if w is not None:
+                w.inflight.discard(v)
 
 
 def test_capacity_is_twice_max_num_seqs_and_the_queue_admits_in_order():
@@ -277,5 +281,31 @@ def test_under_fcfs_the_queue_keeps_arrival_order_whatever_the_priority():
         release(held)
         await asyncio.wait_for(asyncio.gather(*tasks), 5)
         assert order == ["a", "b"]
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("policy,both", [("priority", 1), ("fcfs", 1), ("priority", 0)])
+def test_a_smaller_priority_passes_a_colocated_worker_full_of_larger_ones(policy, both):
+    """--scheduling-policy priority: a colocated worker full of choices of priority 5 (its
+    capacity, 2) still takes choices of priority -1, one for each of those (its scheduler
+    preempts them for it), never more than its capacity again; a choice of priority 5 waits.
+    Under fcfs, and on PD workers (which do not preempt a running stream for a new one),
+    nothing passes a full worker."""
+    async def scenario() -> None:
+        pool = pool_of(prefill=1 - both, decode=1 - both, both=both, max_num_seqs=1)
+        adm = admission(pool, scheduling_policy=policy, queue_timeout_s=0.05)
+        held = await hold(adm, 2, 5)  # full
+        passed = []
+        for _ in range(4):
+            try:
+                passed += await hold(adm, 1, -1)
+            except APIError as e:
+                assert e.status == 429
+                break
+        assert len(passed) == (2 if (policy, both) == ("priority", 1) else 0)
+        with pytest.raises(APIError):
+            await hold(adm, 1, 5)
+        release(held + passed)
 
     asyncio.run(scenario())

@@ -49,15 +49,17 @@ def engine(tiny_llama_dir):
 
 @settings(max_examples=40, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "step"]), st.integers(0, 50),
-                          st.integers(1, 30)), max_size=60))
+                          st.integers(1, 30), st.integers(-1, 2)), max_size=60))
 def test_engine_run_returns_every_block(engine, ops):
-    """Random adds (append happens by decoding), aborts at any moment, steps; the pool ends full."""
+    """Random adds (append happens by decoding) of mixed priorities (which preempt each other),
+    aborts at any moment, steps; the pool ends full."""
     assert engine.pool.num_blocks == 24
     ids = 0
-    for op, a, b in ops:
+    for op, a, b, priority in ops:
         if op == "add":
             engine.add_request(f"r{ids}", [3 + (a + i) % 250 for i in range(b)],
-                               SamplingParams(temperature=0, max_tokens=1 + a % 9, ignore_eos=True))
+                               SamplingParams(temperature=0, max_tokens=1 + a % 9, ignore_eos=True,
+                                              priority=priority))
             ids += 1
         elif op == "abort" and ids:
             engine.abort(f"r{a % ids}")

@@ -138,10 +138,11 @@ def preq(rid: str, n: int, priority: int, max_tokens: int = 4) -> NewRequest:
                                                                    priority=priority))
 
 
-def run_to_end(s: Scheduler, *inboxes: Inbox, steps: int = 200) -> tuple[list[str], list[str]]:
-    """Step until nothing is left, step i draining `inboxes[i]`; (request ids in the order they
-    first ran, preempted ids)."""
-    started, preempted, sampled = [], [], []
+def run_to_end(s: Scheduler, *inboxes: Inbox, steps: int = 200,
+               sampled: list[SampledToken] | None = None) -> tuple[list[str], list[str]]:
+    """Step until nothing is left, step i draining `inboxes[i]` (`sampled`: the tokens of a step
+    before); (request ids in the order they first ran, preempted ids)."""
+    started, preempted, sampled = [], [], sampled or []
     for step in range(steps):
         plan = s.plan(step, inboxes[step] if step < len(inboxes) else Inbox(), sampled)
         started += [c.request_id for c in plan.batch if c.request_id not in started]
@@ -174,3 +175,73 @@ def test_preemption_takes_the_newest_of_the_largest_priority(prioritized):
     started, preempted = run_to_end(s, Inbox(new=[older]), Inbox(new=[newer]))
     assert started == ["older", "newer"]
     assert preempted and set(preempted) == {"older" if prioritized else "newer"}
+
+
+def steps_until(s: Scheduler, *inboxes: Inbox) -> tuple[list[tuple[list[str], list[str]]], list[SampledToken]]:
+    """Apply one plan per inbox; each step's (request ids in its batch, preempted), and the
+    last step's tokens (for `run_to_end`)."""
+    seen, sampled = [], []
+    for step, inbox in enumerate(inboxes):
+        plan = s.plan(step, inbox, sampled)
+        seen.append(([c.request_id for c in plan.batch], list(plan.preempted)))
+        _, batch = s.apply(plan)
+        s.allocator.check_integrity()
+        sampled = [SampledToken(q.request_id, 5) for q, start, n in batch if start + n == q.num_tokens]
+    return seen, sampled
+
+
+def test_a_smaller_priority_takes_the_slot_of_a_running_larger_one():
+    """Priority preemption: with room for one running request, one of priority -1 preempts the
+    running one of priority 5 in the step it arrives and runs in it; the preempted one runs
+    again once it ends, and both finish."""
+    s = make(budget=32, max_seqs=1)
+    seen, sampled = steps_until(s, Inbox(new=[preq("low", 4, 5, max_tokens=20)]), Inbox(), Inbox(new=[preq("high", 4, -1)]))
+    assert seen[2] == (["high"], ["low"])
+    started, preempted = run_to_end(s, sampled=sampled)
+    assert started == ["high", "low"] and preempted == []
+    assert s.allocator.num_used == 0
+
+
+def test_a_smaller_priority_takes_the_blocks_of_a_running_larger_one():
+    """With slots to spare but too few blocks, the waiting request of the smaller priority
+    preempts the running one whose blocks it needs."""
+    s = make(num_blocks=8, budget=32)
+    seen, sampled = steps_until(s, Inbox(new=[preq("low", 20, 5, max_tokens=8)]), Inbox(), Inbox(new=[preq("high", 12, 0)]))
+    assert seen[2] == (["high"], ["low"])
+    run_to_end(s, sampled=sampled)
+    assert s.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("priorities", [(0, 0), (-1, -1), (2, 3)])
+def test_an_equal_or_larger_priority_waits_for_the_running_one(priorities):
+    """No preemption for a waiting request whose priority is not smaller: it waits (fcfs is
+    this with every priority 0)."""
+    running, arriving = priorities
+    s = make(budget=32, max_seqs=1)
+    seen, sampled = steps_until(s, Inbox(new=[preq("first", 4, running, max_tokens=6)]), Inbox(),
+                       Inbox(new=[preq("second", 4, arriving)]), Inbox())
+    assert seen[2:] == [(["first"], []), (["first"], [])]
+
+
+def test_nothing_is_preempted_that_would_not_make_room():
+    """A waiting request that would not fit even with every running request of a larger
+    priority gone preempts none of them (a smaller-priority one holds the blocks)."""
+    s = make(num_blocks=10, budget=32)
+    seen, sampled = steps_until(s, Inbox(new=[preq("top", 20, -5, max_tokens=8), preq("low", 4, 5, max_tokens=8)]),
+                       Inbox(), Inbox(new=[preq("high", 16, -1)]))
+    assert seen[2] == (["top", "low"], [])
+    started, preempted = run_to_end(s, sampled=sampled)
+    assert "high" in started and "top" not in preempted
+    assert s.allocator.num_used == 0
+
+
+def test_the_newest_of_the_largest_priority_goes_first_and_a_burst_preempts_at_once():
+    """Victims are taken as growth preemption takes them (the newest of the largest priority
+    first); two waiting requests that each need a slot displace two running ones in one step."""
+    s = make(budget=64, max_seqs=3)
+    seen, sampled = steps_until(s, Inbox(new=[preq("l-old", 4, 5, 12), preq("mid", 4, 3, 12)]),
+                       Inbox(new=[preq("l-new", 4, 5, 12)]),
+                       Inbox(new=[preq("h1", 4, -1), preq("h2", 4, -1)]))
+    assert seen[2] == (["mid", "h1", "h2"], ["l-new", "l-old"])
+    started, preempted = run_to_end(s, sampled=sampled)
+    assert s.allocator.num_used == 0

@@ -1,0 +1,81 @@
+"""Priority preemption end to end: `pdserve serve` (colocated) whose worker runs one request at
+a time (`--max-num-seqs 1`, so the router's capacity for it is 2) under `--scheduling-policy
+priority`. Two requests of priority 5 fill it: one streams, one waits on the worker. A request of
+priority -1 then passes the full router and takes the running one's place at once: it ends
+first, the worker counts one preemption, and the preempted request, recomputed, answers as it
+does alone."""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.frontend.conftest import Server, start_server, stop_server
+from tests.served_reference import chat_near_tie
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+CHAT = "/v1/chat/completions"
+LONG = {"messages": [{"role": "user", "content": "Count from one to one hundred in words."}],
+        "max_tokens": 160, "temperature": 0, "ignore_eos": True, "priority": 5}
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    srv = start_server("--mode", "colocated", "--max-num-seqs", "1", "--scheduling-policy", "priority")
+    yield srv
+    stop_server(srv.proc)
+
+
+def worker_metric(srv: Server, name: str) -> float:
+    """A metric of the worker (its /metrics, found through the router's /health)."""
+    text = httpx.get(srv.workers()["both"] + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_a_smaller_priority_passes_the_full_router_and_preempts_the_running_request(
+        server, default_model_dir, tokenizer):
+    expected = httpx.post(server.url + CHAT, json=LONG, timeout=300).json()["choices"][0]["message"]["content"]
+    before = worker_metric(server, "pdserve:num_preemptions_total")
+
+    async def scenario() -> tuple[list[str], dict[str, str]]:
+        ended: list[str] = []
+        texts: dict[str, str] = {}
+        async with httpx.AsyncClient(base_url=server.url, timeout=300) as http:
+            streaming = asyncio.Event()
+
+            async def ask(name: str, body: dict) -> None:
+                parts = []
+                async with http.stream("POST", CHAT, json={**body, "stream": True}) as r:
+                    assert r.status_code == 200, await r.aread()
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {"):
+                            choices = json.loads(line[6:])["choices"]
+                            if choices and choices[0]["delta"].get("content"):
+                                parts.append(choices[0]["delta"]["content"])
+                                if name == "low-1":
+                                    streaming.set()
+                ended.append(name)
+                texts[name] = "".join(parts)
+
+            tasks = [asyncio.create_task(ask("low-1", LONG))]
+            await streaming.wait()  # it holds the worker's one running slot, mid-answer
+            tasks.append(asyncio.create_task(ask("low-2", LONG)))
+            while await asyncio.to_thread(worker_metric, server, "pdserve:num_requests_waiting") < 1:
+                assert not tasks[0].done(), "low-1 ended before low-2 queued behind it"
+                await asyncio.sleep(0.02)  # polls the worker's own count
+            await ask("high", {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+                               "temperature": 0, "ignore_eos": True, "priority": -1})
+            assert not tasks[0].done(), "low-1 ended before the high-priority request"
+            await asyncio.wait_for(asyncio.gather(*tasks), 300)
+        return ended, texts
+
+    ended, texts = asyncio.run(scenario())
+    assert ended == ["high", "low-1", "low-2"]
+    assert worker_metric(server, "pdserve:num_preemptions_total") - before == 1
+    for name in ("low-1", "low-2"):  # low-1 recomputed from its tokens: its answer, bar a near-tie
+        got = texts[name]
+        assert got == expected or chat_near_tie(default_model_dir, tokenizer, LONG["messages"], got, expected)
