@@ -130,6 +130,7 @@ class Tokenizer:
         self.max_token_bytes = max(1, max((len(b) for b in self._bytes), default=1))
         self._bounded = _length_is_bounded(spec)
         self.cut_tokens = _cut_tokens(spec)
+        self.framing = _framing(spec.get("post_processor"))  # a text completion's special tokens
         self.special_tokens_map = {
             key: tok for key in _SPECIAL_TOKEN_KEYS if (tok := _token_text(self.config.get(key)))
         }
@@ -362,6 +363,49 @@ def _cut_tokens(spec: Mapping[str, Any]) -> dict[int, str]:
             continue
         cuts[int(a["id"])] = text
     return cuts
+
+
+def _framing(node: Mapping[str, Any] | None) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The ids ``encode(text, add_special_tokens=True)`` puts before and after the text's own:
+    the same for every text, since its post-processor only frames one sequence. None when the
+    post-processor is one this does not model (then only a whole encode gives those ids)."""
+    pre: list[int] = []
+    post: list[int] = []
+    framed = False
+    for step in _processors(node):
+        kind = step.get("type")
+        if kind == "ByteLevel":
+            continue  # offsets only
+        if framed:
+            return None  # a second frame around the first: not modelled
+        framed = True
+        if kind in ("BertProcessing", "RobertaProcessing"):
+            pre, post = [int(step["cls"][1])], [int(step["sep"][1])]
+        elif kind == "TemplateProcessing":
+            specials = step.get("special_tokens") or {}
+            side = pre
+            for piece in step.get("single") or []:
+                if "Sequence" in piece:
+                    if side is post:
+                        return None  # the text twice
+                    side = post
+                elif "SpecialToken" in piece and piece["SpecialToken"]["id"] in specials:
+                    side.extend(int(i) for i in specials[piece["SpecialToken"]["id"]]["ids"])
+                else:
+                    return None
+            if side is pre:
+                return None  # no place for the text
+        else:
+            return None
+    return tuple(pre), tuple(post)
+
+
+def _processors(node: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
+    if not node:
+        return []
+    if node.get("type") == "Sequence":
+        return [step for child in node.get("processors") or [] for step in _processors(child)]
+    return [node]
 
 
 def _steps(node: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:

@@ -65,11 +65,15 @@ class PromptPrefixes:
     def enabled(self) -> bool:
         return self._cut_end is not None and self.max_tokens > 0
 
-    def encode(self, text: str, salt: str | None = None) -> list[int]:
-        """``tokenizer.encode(text, add_special_tokens=False)``, tokenizing only what follows the
-        longest prefix remembered under the same `salt`."""
-        if not self.enabled:
-            return self.tokenizer.encode(text, add_special_tokens=False)
+    def encode(self, text: str, salt: str | None = None, add_special_tokens: bool = False) -> list[int]:
+        """``tokenizer.encode(text, add_special_tokens)``, tokenizing only what follows the
+        longest prefix remembered under the same `salt`. The special tokens a text completion's
+        prompt gets (a BOS) frame the text's own ids (``Tokenizer.framing``)."""
+        framing = self.tokenizer.framing if add_special_tokens else ((), ())
+        if framing is None or not self.enabled:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if framing != ((), ()):
+            return [*framing[0], *self.encode(text, salt), *framing[1]]
         start, hit, kept, cuts = self._longest(text, salt)
         head = kept.tolist()
         if head and self.on_reuse is not None:

@@ -8,8 +8,8 @@ shapes as they are (`arguments` a JSON string, `content: null` beside tool calls
 render `tools` at all: their tools go into the system prompt here, in the format DeepSeek
 documents for V3.1 (``dsv3_tools_prompt``). Workers see token ids only. Long texts are
 tokenized in a thread so that one big prompt does not stall every stream on the event loop, and
-a chat prompt tokenizes only what follows the longest prefix an earlier prompt left
-(``prompt_prefixes``): a conversation's next turn pays for its new text only.
+a prompt (chat, or a completion's text) tokenizes only what follows the longest prefix an
+earlier prompt left (``prompt_prefixes``): a conversation's next turn pays for its new text only.
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ class Prompt:
 class PromptBuilder:
     tokenizer: Tokenizer
     inline_chars: int = 4096
-    prefixes: PromptPrefixes = field(init=False)  # chat prompts: a conversation's earlier turns' ids
+    prefixes: PromptPrefixes = field(init=False)  # a conversation's earlier turns' ids
 
     def __post_init__(self) -> None:
         self.prefixes = PromptPrefixes(self.tokenizer)
@@ -70,7 +70,7 @@ class PromptBuilder:
             if isinstance(p, str):
                 self._check_size(p, max_len, "prompt")
         size = sum(len(p) for p in items if isinstance(p, str))
-        return await self._run(size, lambda: [self._one(p) for p in items])
+        return await self._run(size, lambda: [self._one(p, req.cache_salt) for p in items])
 
     async def chat(self, req: ChatCompletionRequest, tools: list[dict[str, Any]] | None = None,
                    style: PromptStyle = PromptStyle.TEMPLATE, max_len: int | None = None) -> Prompt:
@@ -130,15 +130,15 @@ class PromptBuilder:
             return work()
         return await asyncio.to_thread(work)
 
-    def _one(self, prompt: str | list[int] | None) -> Prompt:
+    def _one(self, prompt: str | list[int] | None, salt: str | None) -> Prompt:
         if prompt is None:  # a new document: the model's start-of-text token, as OpenAI's default
             start = self.tokenizer.bos_token_id
             start = self.tokenizer.eos_token_id if start is None else start
             if start is None:
                 raise invalid("this model has no start-of-text token: give a prompt", "prompt")
             return Prompt([start], "")
-        if isinstance(prompt, str):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, str):  # an agent's own template resent with a new turn: its ids reused
+            ids = self.prefixes.encode(prompt, salt, add_special_tokens=True)
             if not ids:
                 raise invalid("prompt must not be empty", "prompt")
             return Prompt(ids, prompt)

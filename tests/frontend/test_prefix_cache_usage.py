@@ -127,3 +127,27 @@ def test_a_later_turn_reuses_the_routers_tokenization_of_the_last(pd_server, def
     opened = len(first) - len(tok.encode("assistant\n"))  # the ids through the answer's <|im_start|>
     assert metric(pd_server.url, "tokenizer_reused_tokens_total") - before == opened
     assert second[:opened] == first[:opened]
+
+
+def test_a_text_completions_next_prompt_reuses_the_routers_tokenization(pd_server, default_model_dir):
+    """/v1/completions with an agent's own ChatML text: the next prompt (the last plus the answer
+    and a new turn) tokenizes after the last one's last special token; the ids equal a whole
+    tokenization with the tokenizer's special tokens, and the counter grows by the reused ids."""
+    tok = Tokenizer(default_model_dir)
+    client = openai.OpenAI(base_url=pd_server.v1, api_key=API_KEY, max_retries=0, timeout=120)
+    prompt = (f"<|im_start|>system\nAgent {uuid.uuid4().hex}. " + "Use the tools. " * 40
+              + "<|im_end|>\n<|im_start|>user\nList the files.<|im_end|>\n<|im_start|>assistant\n")
+
+    def turn(text: str) -> tuple[list[int], str]:
+        out = client.completions.create(model=MODEL, prompt=text, max_tokens=4, temperature=0,
+                                        extra_body={"return_token_ids": True})
+        return out.choices[0].prompt_token_ids, out.choices[0].text
+
+    first, answer = turn(prompt)
+    assert first == tok.encode(prompt, add_special_tokens=True)
+    prompt += answer + "<|im_end|>\n<|im_start|>user\nNow read the first one.<|im_end|>\n<|im_start|>assistant\n"
+    before = metric(pd_server.url, "tokenizer_reused_tokens_total")
+    second, _ = turn(prompt)
+    assert second == tok.encode(prompt, add_special_tokens=True)
+    opened = len(first) - len(tok.encode("assistant\n"))  # the ids through the answer's <|im_start|>
+    assert metric(pd_server.url, "tokenizer_reused_tokens_total") - before == opened

@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 CHAT = "/v1/chat/completions"
 LONG = {"messages": [{"role": "user", "content": "Count from one to one hundred in words."}],
-        "max_tokens": 160, "temperature": 0, "ignore_eos": True, "priority": 5}
+        "max_tokens": 96, "temperature": 0, "ignore_eos": True, "priority": 5}
 
 
 @pytest.fixture(scope="module")

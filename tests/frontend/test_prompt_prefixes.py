@@ -5,6 +5,7 @@ that grow, branch and carry special-token text, combining characters and white s
 seams; and a conversation's next turn does reuse its previous turn's ids."""
 from __future__ import annotations
 
+import json
 import random
 import threading
 import zipfile
@@ -81,16 +82,100 @@ def conversations(draw, alphabet: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("key", ["smollm2", *REAL, "deepseek-v4"])
 def test_cached_ids_equal_whole_tokenization(tokenizers, key):
+    """Chat prompts (no special tokens added) and text completions' prompts (the tokenizer's
+    own framing added: a BOS), mixed in one cache."""
     tok = tokenizers[key]
 
     @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(conversations(_alphabet(tok)))
-    def check(texts: list[str]) -> None:
+    @given(conversations(_alphabet(tok)), st.lists(st.booleans(), min_size=6, max_size=6))
+    def check(texts: list[str], framed: list[bool]) -> None:
         prefixes = PromptPrefixes(tok)
-        for text in texts:
-            assert prefixes.encode(text) == tok.encode(text), text
+        for text, special in zip(texts, framed):
+            assert prefixes.encode(text, add_special_tokens=special) == tok.encode(text, special), text
 
     check()
+
+
+def _framed(root: Path, default_model_dir: str, name: str, post_processor: dict) -> Tokenizer:
+    """SmolLM2's tokenizer with another post-processor (the frame a text completion gets)."""
+    out = root / name
+    out.mkdir()
+    spec = json.loads((Path(default_model_dir) / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["post_processor"] = post_processor
+    (out / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    (out / "tokenizer_config.json").write_bytes((Path(default_model_dir) / "tokenizer_config.json").read_bytes())
+    return Tokenizer(out)
+
+
+def _template(single: list[str]) -> dict:
+    pieces = [{"Sequence": {"id": "A", "type_id": 0}} if p == "$A" else {"SpecialToken": {"id": p, "type_id": 0}}
+              for p in single]
+    specials = {p: {"id": p, "ids": [{"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}[p]], "tokens": [p]}
+                for p in single if p != "$A"}
+    return {"type": "TemplateProcessing", "single": pieces, "pair": pieces, "special_tokens": specials}
+
+
+BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+FRAMES = {  # name -> (post-processor, the frame Tokenizer.framing reads from it)
+    "bos": (_template(["<|endoftext|>", "$A"]), ((0,), ())),
+    "bos-eos": ({"type": "Sequence", "processors": [BYTE_LEVEL, _template(["<|im_start|>", "$A", "<|im_end|>"])]},
+                ((1,), (2,))),
+    "roberta": ({"type": "RobertaProcessing", "sep": ["<|im_end|>", 2], "cls": ["<|im_start|>", 1],
+                 "trim_offsets": True, "add_prefix_space": False}, ((1,), (2,))),
+    "twice": ({"type": "Sequence", "processors": [_template(["<|endoftext|>", "$A"]), _template(["<|im_start|>", "$A"])]},
+              None),
+}
+
+
+@pytest.fixture(scope="module")
+def framed(tmp_path_factory, default_model_dir) -> dict[str, Tokenizer]:
+    root = tmp_path_factory.mktemp("framed")
+    return {name: _framed(root, default_model_dir, name, spec) for name, (spec, _) in FRAMES.items()}
+
+
+def test_the_framing_is_what_each_tokenizer_adds(tokenizers, framed):
+    """`Tokenizer.framing`, read from the post-processor, is what a whole encode with special
+    tokens adds around the text's own ids: nothing for every real tokenizer here (their
+    `tokenizer.json` adds none; transformers, the reference, adds none either), the frame of
+    each post-processor modelled, and None for one that is not (two frames)."""
+    text = "Once upon a time<|im_end|> there"
+    for key, tok in tokenizers.items():
+        assert tok.framing == ((), ()), key
+    for name, tok in framed.items():
+        assert tok.framing == FRAMES[name][1], name
+        if tok.framing is not None:
+            pre, post = tok.framing
+            assert tok.encode(text, add_special_tokens=True) == [*pre, *tok.encode(text), *post], name
+
+
+@pytest.mark.parametrize("name", list(FRAMES))
+def test_framed_ids_equal_whole_tokenization(framed, name):
+    tok = framed[name]
+
+    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+    @given(conversations(_alphabet(tok)), st.lists(st.booleans(), min_size=6, max_size=6))
+    def check(texts: list[str], special: list[bool]) -> None:
+        prefixes = PromptPrefixes(tok)
+        for text, add in zip(texts, special):
+            assert prefixes.encode(text, add_special_tokens=add) == tok.encode(text, add), text
+
+    check()
+
+
+def test_a_text_completions_next_turn_reuses_its_last_prompt(framed):
+    """An agent with its own prompt format on /v1/completions, with a tokenizer that adds a BOS:
+    its next prompt, the last one plus an answer and a new turn, tokenizes after the last one's
+    last cut token; the BOS frames the reused ids."""
+    tok = framed["bos"]
+    prefixes = PromptPrefixes(tok)
+    reused: list[int] = []
+    prefixes.on_reuse = reused.append
+    first = "<|im_start|>user\nRead the file and sum the column.<|im_end|>\n<|im_start|>"
+    second = first + "assistant\nReading it now.<|im_end|>\n<|im_start|>user\nIt says 4, 5, 6.<|im_end|>\n<|im_start|>"
+    ids = [prefixes.encode(t, add_special_tokens=True) for t in (first, second)]
+    assert ids == [tok.encode(t, add_special_tokens=True) for t in (first, second)]
+    assert ids[0][0] == ids[1][0] == 0 and ids[1][1:len(ids[0])] == ids[0][1:]
+    assert reused == [len(ids[0]) - 1]  # all of the first prompt's own ids: it ends with a cut token
 
 
 def _render(tok: Tokenizer, messages: list[dict]) -> str:
