@@ -1,8 +1,9 @@
 """The prefix cache under lockstep: 3,000 steps over 2 real gloo ranks with requests that share
 prefixes (colocated and prefill-role, so rooms are held while "sent"), random aborts, a pool
-small enough to evict, and rank-local transfer outcomes. Every rank makes the same cache
-decisions (same hits, same evictions: the "cache" field of the state digest), the divergence
-check never fires, and once everything ends every block is back (cached or empty). Also with
+small enough to evict, mixed priorities (so that requests preempt each other), and rank-local
+transfer outcomes. Every rank makes the same cache decisions (same hits, same evictions: the
+"cache" field of the state digest) and the same preemptions, the divergence check never fires,
+and once everything ends every block is back (cached or empty). Also with
 a host-memory tier behind the device pool (evicted blocks saved there, hits loaded back)."""
 from __future__ import annotations
 
@@ -73,6 +74,15 @@ def rank_main(rank: int, port: int, results, host: bool) -> None:
                                       max_model_len=128, cache_salt=salt_of("harness")),
                       BlockAllocator(BLOCKS, caching=True, host=tier), frozenset({2}))
     tokens = random.Random(7)  # rank 0 samples (the others' tokens are never used)
+    displaced: list[str] = []  # rank 0's priority preemptions (the plan carries them to the others)
+    plan_displace = sched._displace
+
+    def counted(*args):
+        victims = plan_displace(*args)
+        displaced.extend(victims)
+        return victims
+
+    sched._displace = counted
 
     def run_batch(batch, sample):
         comm.trace.record("forward" if batch else "idle")
@@ -86,7 +96,8 @@ def rank_main(rank: int, port: int, results, host: bool) -> None:
     def shared_prefix(rid: str, rng: random.Random) -> NewRequest:
         prompt = rng.choice(prefixes) + [rng.randrange(3, 50) for _ in range(rng.randint(1, 12))]
         kv = rng.choice([KVRole.LOCAL, KVRole.PREFILL])
-        return NewRequest(rid, prompt, SamplingParams(temperature=0, max_tokens=rng.randint(1, 10)), kv=kv)
+        params = SamplingParams(temperature=0, max_tokens=rng.randint(1, 10), priority=rng.choice([-1, 0, 0, 3]))
+        return NewRequest(rid, prompt, params, kv=kv)
 
     inbox = RandomInbox(shared_prefix, STEPS, DRAIN, abort_p=0.2, rng=rng)  # rank 0's
     digests, errors = [], []
@@ -100,7 +111,8 @@ def rank_main(rank: int, port: int, results, host: bool) -> None:
         digests.append(state_digest(sched, ""))
     a = sched.allocator
     results.put((rank, errors, comm.trace.names, digests, a.num_free, a.num_used, a.num_hits,
-                 a.num_evictions, sched.has_work(), tier.num_loaded if tier else 0))
+                 a.num_evictions, sched.has_work(), tier.num_loaded if tier else 0, sched.num_preemptions,
+                 len(displaced)))
 
 
 @pytest.mark.e2e
@@ -108,8 +120,8 @@ def rank_main(rank: int, port: int, results, host: bool) -> None:
 @pytest.mark.parametrize("host", [False, True], ids=["device", "with-host-tier"])
 def test_cache_decisions_are_identical_on_every_rank(host):
     got = run_ranks(rank_main, host)
-    (err0, trace0, dig0, free0, used0, hits0, ev0, work0, loads0) = got[0]
-    (err1, trace1, dig1, free1, used1, hits1, ev1, work1, loads1) = got[1]
+    (err0, trace0, dig0, free0, used0, hits0, ev0, work0, loads0, pre0, displaced) = got[0]
+    (err1, trace1, dig1, free1, used1, hits1, ev1, work1, loads1, pre1, _) = got[1]
     assert err0 == err1 == []
     assert trace0 == trace1
     assert dig0 == dig1  # including the cache: holders, LRU order, index
@@ -118,3 +130,4 @@ def test_cache_decisions_are_identical_on_every_rank(host):
     assert hits0 == hits1 > 0 and ev0 == ev1 > 0  # shared prefixes were reused, blocks evicted
     assert not work0 and not work1
     assert loads0 == loads1 and (loads0 > 0) == host  # hits from host memory, on both ranks alike
+    assert pre0 == pre1 >= displaced > 0  # mixed priorities preempted each other, alike on both ranks
