@@ -80,20 +80,22 @@ def conversations(draw, alphabet: list[str]) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("key", ["smollm2", *REAL, "deepseek-v4"])
-def test_cached_ids_equal_whole_tokenization(tokenizers, key):
-    """Chat prompts (no special tokens added) and text completions' prompts (the tokenizer's
-    own framing added: a BOS), mixed in one cache."""
-    tok = tokenizers[key]
-
-    @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def _agrees_with_whole_tokenization(tok: Tokenizer, examples: int) -> None:
+    """Over random conversations, chat prompts (no special tokens added) and text completions'
+    prompts (the tokenizer's frame added), mixed in one cache, get a whole encode's ids."""
+    @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
     @given(conversations(_alphabet(tok)), st.lists(st.booleans(), min_size=6, max_size=6))
-    def check(texts: list[str], framed: list[bool]) -> None:
+    def check(texts: list[str], special: list[bool]) -> None:
         prefixes = PromptPrefixes(tok)
-        for text, special in zip(texts, framed):
-            assert prefixes.encode(text, add_special_tokens=special) == tok.encode(text, special), text
+        for text, add in zip(texts, special):
+            assert prefixes.encode(text, add_special_tokens=add) == tok.encode(text, add), text
 
     check()
+
+
+@pytest.mark.parametrize("key", ["smollm2", *REAL, "deepseek-v4"])
+def test_cached_ids_equal_whole_tokenization(tokenizers, key):
+    _agrees_with_whole_tokenization(tokenizers[key], 60)
 
 
 def _framed(root: Path, default_model_dir: str, name: str, post_processor: dict) -> Tokenizer:
@@ -150,16 +152,7 @@ def test_the_framing_is_what_each_tokenizer_adds(tokenizers, framed):
 
 @pytest.mark.parametrize("name", list(FRAMES))
 def test_framed_ids_equal_whole_tokenization(framed, name):
-    tok = framed[name]
-
-    @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-    @given(conversations(_alphabet(tok)), st.lists(st.booleans(), min_size=6, max_size=6))
-    def check(texts: list[str], special: list[bool]) -> None:
-        prefixes = PromptPrefixes(tok)
-        for text, add in zip(texts, special):
-            assert prefixes.encode(text, add_special_tokens=add) == tok.encode(text, add), text
-
-    check()
+    _agrees_with_whole_tokenization(framed[name], 30)
 
 
 def test_a_text_completions_next_turn_reuses_its_last_prompt(framed):
