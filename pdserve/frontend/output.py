@@ -7,7 +7,8 @@ output never depends on how the workers or the stream batching chunked the ids.
   token-ID parser (``pdserve.parsers``). Its events (reasoning, content, tool-call pieces) are
   the delta, in order; stop strings cut the content. See ``tools`` for the request policy.
 * Completions, and chat for a model without a profile and without think markers: plain text
-  (special tokens skipped, stop strings cut by ``TextStream``).
+  (special tokens skipped unless the request says ``skip_special_tokens: false``, stop strings
+  cut by ``TextStream``, the stop token that ended the output left out as vLLM does).
 """
 from __future__ import annotations
 
@@ -76,12 +77,20 @@ class OutputDecoder(Protocol):
 
 
 class TextDecoder:
-    """Plain text: special tokens are skipped, stop strings cut (never sent, not even in part,
-    unless `include_stop`)."""
+    """Plain text: special tokens are skipped (unless not `skip_special_tokens`), stop strings cut
+    (never sent, not even in part, unless `include_stop`).
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], include_stop: bool = False) -> None:
+    As in vLLM, the token that ended the output (one of `ends`: EOS or a stop_token_ids entry)
+    is not text unless `include_stop`. A token of `ends` is therefore held until the next one
+    shows it did not end the output (EOS under ignore_eos), or until `finish` says how it ended."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], include_stop: bool = False,
+                 ends: Iterable[int] = (), skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
-        self._text = TextStream(tokenizer, stop, include_stop=include_stop)
+        self._text = TextStream(tokenizer, stop, skip_special_tokens=skip_special_tokens, include_stop=include_stop)
+        self._ends = frozenset(ends)
+        self._include_stop = include_stop
+        self._held: int | None = None  # a token of `ends`, not yet known to be the last
         self.finish_reason: str | None = None
 
     @property
@@ -93,13 +102,21 @@ class TextDecoder:
         return self._text.stop_sequence
 
     def push(self, token_id: int) -> OutputDelta:
-        if self._tokenizer.is_special(token_id):
-            return OutputDelta()
-        return OutputDelta(self._text.push([token_id]))
+        ids = [] if self._held is None else [self._held]
+        self._held = None
+        if token_id in self._ends:
+            self._held = token_id
+        else:
+            ids.append(token_id)
+        return OutputDelta(self._text.push(ids) if ids else "")
 
     def finish(self, reason: str = "stop") -> OutputDelta:
         self.finish_reason = reason
-        return OutputDelta(self._text.flush())
+        text = ""
+        if self._held is not None and (reason != "stop" or self._include_stop):
+            text = self._text.push([self._held])
+        self._held = None
+        return OutputDelta(text + self._text.flush())
 
 
 class ParsedDecoder:
@@ -213,10 +230,13 @@ class ChatOutput:
         return self.profile.format is not Format.PLAIN or self.profile.think is not None
 
     def decoder(self, prompt_ids: list[int], stop: list[str], policy: ToolPolicy,
-                stop_ids: Iterable[int] = (), include_stop: bool = False) -> OutputDecoder:
-        if not self.parsed:
-            return TextDecoder(self.tokenizer, stop, include_stop)
+                stop_ids: Iterable[int] = (), include_stop: bool = False,
+                skip_special_tokens: bool = True) -> OutputDecoder:
+        """A choice's decoder. `skip_special_tokens` applies to plain text only: a parser never
+        lets a control token into content (profiles.py)."""
         ends = frozenset(self.tokenizer.stop_token_ids) | frozenset(stop_ids)
+        if not self.parsed:
+            return TextDecoder(self.tokenizer, stop, include_stop, ends, skip_special_tokens)
         options = policy.parser_options(self.profile, prompt_ids, ends, f"call_{secrets.token_hex(8)}")
         return ParsedDecoder(make_parser(self.profile, options), stop, policy, self.on_diagnostic, include_stop)
 
@@ -238,5 +258,7 @@ def model_type_hint(model_dir: Path) -> str | None:
     return hint if isinstance(hint, str) else None
 
 
-def completion_decoder(tokenizer: Tokenizer, stop: list[str], include_stop: bool = False) -> OutputDecoder:
-    return TextDecoder(tokenizer, stop, include_stop)
+def completion_decoder(tokenizer: Tokenizer, stop: list[str], include_stop: bool = False,
+                       stop_ids: Iterable[int] = (), skip_special_tokens: bool = True) -> OutputDecoder:
+    ends = frozenset(tokenizer.stop_token_ids) | frozenset(stop_ids)
+    return TextDecoder(tokenizer, stop, include_stop, ends, skip_special_tokens)

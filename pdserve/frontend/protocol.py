@@ -2,11 +2,11 @@
 
 Field bounds follow the OpenAI API reference; the extras vLLM accepts in the body (``top_k``,
 ``min_p``, ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
-``include_stop_str_in_output``, ``allowed_token_ids``, ``bad_words``, ``cache_salt``,
-``priority``, ``return_token_ids``, ``return_tokens_as_token_ids``) are accepted too, as are
-SGLang's ``separate_reasoning`` and ``chat_template_kwargs``. Unknown fields are ignored. Tools
-are checked for shape here and kept as sent; what they mean for the prompt and the output is in
-``tools``. Checks that need the tokenizer or the context length (token ids, logit-bias ids,
+``include_stop_str_in_output``, ``skip_special_tokens``, ``allowed_token_ids``, ``bad_words``,
+``cache_salt``, ``priority``, ``return_token_ids``, ``return_tokens_as_token_ids``) are accepted
+too, as are SGLang's ``separate_reasoning`` and ``chat_template_kwargs``. Unknown fields are
+ignored. Tools are checked for shape here and kept as sent; what they mean for the prompt and the
+output is in ``tools``. Checks that need the tokenizer or the context length (token ids, logit-bias ids,
 prompt length) are done later, in ``params`` and ``prompts``.
 """
 from __future__ import annotations
@@ -87,7 +87,8 @@ class GenerationFields(BaseModel):
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool = False  # the text ends with the stop string it met
+    include_stop_str_in_output: bool = False  # the text ends with the stop string (or stop token) it met
+    skip_special_tokens: bool = True  # false: special tokens are text too (not the one that ended it)
     allowed_token_ids: list[int] | None = Field(None, min_length=1)  # only these are sampled
     bad_words: list[str] | None = Field(None, max_length=MAX_BAD_WORDS)  # never written (bad_words_ids)
     cache_salt: str | None = Field(None, min_length=1)  # shares cached prefixes only with the same salt

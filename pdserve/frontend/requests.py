@@ -167,7 +167,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: C
         return await respond(s, call, specs, lambda _: JsonCallDecoder(s.tokenizer), renderer, req.stream)
     return await respond(s, call, specs,
                          lambda spec: s.output.decoder(spec.prompt_ids, stop, policy, stop_ids,
-                                                      req.include_stop_str_in_output),
+                                                      req.include_stop_str_in_output, req.skip_special_tokens),
                          renderer, req.stream)
 
 
@@ -266,8 +266,9 @@ async def create_completion(s: Serving, req: CompletionRequest, call: Call) -> R
         echo_ids=[spec.prompt_ids for spec in specs] if req.echo else None,
         prompt_ids=[spec.prompt_ids for spec in specs] if req.return_token_ids else None,
         tokens_as_ids=req.return_tokens_as_token_ids)
-    return await respond(s, call, specs, lambda _: completion_decoder(s.tokenizer, stop, include_stop), renderer,
-                         req.stream)
+    stop_ids, skip_special = req.stop_token_ids or [], req.skip_special_tokens
+    return await respond(s, call, specs, lambda _: completion_decoder(s.tokenizer, stop, include_stop, stop_ids,
+                                                                      skip_special), renderer, req.stream)
 
 
 def room_ids(base: str, count: int) -> list[str]:

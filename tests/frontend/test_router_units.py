@@ -194,6 +194,35 @@ def test_special_tokens_are_not_printed(tokenizer):
     assert text == "assistant\nHi"
 
 
+def _decoded(dec: TextDecoder, ids: list[int], reason: str) -> str:
+    return "".join(dec.push(t).content for t in ids) + dec.finish(reason).content
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_special_tokens_are_text_when_asked_but_not_the_end_unless_included(tokenizer, include_stop):
+    """vLLM's `skip_special_tokens: false`: the markup is text, except the EOS that ended the
+    output (`include_stop_str_in_output` keeps it). An EOS the output went past (ignore_eos), or
+    the last one of a length-cut output, is text."""
+    ends = tokenizer.stop_token_ids
+    ids = tokenizer.encode("<|im_start|>assistant\nHi<|im_end|>")
+    assert ids[-1] in ends and tokenizer.is_special(ids[0])
+    shown = TextDecoder(tokenizer, [], include_stop, ends, skip_special_tokens=False)
+    assert _decoded(shown, ids, "stop") == "<|im_start|>assistant\nHi" + ("<|im_end|>" if include_stop else "")
+    assert _decoded(TextDecoder(tokenizer, [], include_stop, ends, skip_special_tokens=False),
+                    ids + ids, "length") == "<|im_start|>assistant\nHi<|im_end|>" * 2
+    assert _decoded(TextDecoder(tokenizer, [], include_stop, ends), ids, "stop") == "assistant\nHi"
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_a_stop_token_that_is_a_word_is_not_text_unless_included(tokenizer, include_stop):
+    """vLLM leaves the stop_token_ids entry that ended the output out of its text."""
+    ids = tokenizer.encode("The capital of France is Paris")
+    paris = ids[-1]
+    assert tokenizer.decode([paris]) == " Paris" and not tokenizer.is_special(paris)
+    dec = TextDecoder(tokenizer, [], include_stop, tokenizer.stop_token_ids | {paris})
+    assert _decoded(dec, ids, "stop") == "The capital of France is" + (" Paris" if include_stop else "")
+
+
 def test_stop_string_split_across_tokens_is_never_sent(tokenizer):
     dec = TextDecoder(tokenizer, ["STOP HERE"])
     sent = ""

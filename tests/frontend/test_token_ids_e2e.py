@@ -55,3 +55,34 @@ def test_a_completion_answer_carries_each_prompts_token_ids(pd_server, tokenizer
         entries = [e for c in streamed for e in c["choices"] if e["index"] == choice["index"]]
         assert [e["prompt_token_ids"] for e in entries if "prompt_token_ids" in e] == [choice["prompt_token_ids"]]
         assert [t for e in entries for t in e["token_ids"]] == choice["token_ids"]
+
+
+def text_of(url: str, body: dict, stream: bool) -> str:
+    if stream:
+        return "".join(e.get("text") or "" for c in chunks(url, body) for e in c["choices"])
+    return httpx.post(url, json=body, headers=AUTH, timeout=120).json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_text_leaves_the_ending_stop_token_out_and_shows_special_tokens_when_asked(pd_server, tokenizer,
+                                                                                      stream):
+    """vLLM's rules for the text: the stop_token_ids entry that ended a completion is not text
+    unless `include_stop_str_in_output`; with `skip_special_tokens: false` special tokens are (EOS
+    sampled under ignore_eos), but not the EOS that ended a chat answer."""
+    url = f"{pd_server.v1}/completions"
+    body = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    ids = httpx.post(url, json=body, headers=AUTH, timeout=120).json()["choices"][0]["token_ids"]
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i] and tokenizer.decode([ids[i]]).strip())
+    for include in (False, True):
+        text = text_of(url, {**body, "stop_token_ids": [ids[k]], "include_stop_str_in_output": include}, stream)
+        assert text == tokenizer.decode(ids[:k + include])
+
+    eos = tokenizer.eos_token_id
+    forced = {"prompt": "Hi", "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logit_bias": {str(eos): 100}}
+    assert text_of(url, forced, stream) == ""
+    assert text_of(url, {**forced, "skip_special_tokens": False}, stream) == tokenizer.decode([eos]) * 3
+
+    chat = {"messages": MESSAGES, "max_tokens": 40, "temperature": 0}
+    answers = [httpx.post(f"{pd_server.v1}/chat/completions", json={**chat, "skip_special_tokens": skip},
+                          headers=AUTH, timeout=120).json()["choices"][0] for skip in (True, False)]
+    assert answers[0]["finish_reason"] == "stop" and answers[0]["message"] == answers[1]["message"]
