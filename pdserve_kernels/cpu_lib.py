@@ -12,7 +12,9 @@ reason, logged once, and callers use the torch reference.
 
 Flags are chosen per translation unit and never `-march=native`: the instruction set is picked
 at run time by cpuid (or forced with $PDSERVE_CPU_ISA = avx2 | avx512), so one build serves every
-x86-64 machine, and no AMX instruction is ever emitted (AMX faults in some VMs).
+x86-64 machine, and no AMX instruction is ever emitted: AMX faults in a process that has not
+asked Linux for the tile state, and it does not speed up the exact int16 path
+(docs/quantization.md, "AMX").
 """
 from __future__ import annotations
 

@@ -108,7 +108,8 @@ def test_an_isa_this_cpu_lacks_is_a_clear_error():
 
 
 def test_the_library_has_no_amx_instruction():
-    """AMX faults in some VMs: the build must never emit it (no -march=native)."""
+    """The build never emits AMX (no -march=native): a tile instruction faults in a process that has
+    not asked Linux for the tile state, which the library never does (docs/quantization.md, "AMX")."""
     import subprocess
 
     path = cpu_lib.build()
