@@ -1,12 +1,13 @@
-"""Priority scheduling under overload (README, "Priority"). A colocated `pdserve serve` runs at
-most `--max-running` requests; `--background` clients keep it full with long requests, and one
-short foreground request arrives every `--every` seconds on average. `--bound router` (the
-default) holds them at the router (`--max-running`): the router's queue orders them. `--bound
-worker` holds them at the worker (`--max-num-seqs`; the router lets one more batch wait there):
-the worker's scheduler orders them and preempts a running request for a smaller priority. Measured: each class's time
-to first token, the foreground's against the background's, with `--scheduling-policy priority`
-(background priority 5, foreground -1) and under `fcfs` (no priorities sent), servers in turn in
-one run (`--rounds`), the same seeded arrivals for both.
+"""Priority scheduling under overload (README, "Priority"). A `pdserve serve` (colocated, or PD
+with `--mode pd`) runs at most `--max-running` requests; `--background` clients keep it full
+with long requests, and one short foreground request arrives every `--every` seconds on average.
+`--bound router` (the default) holds them at the router (`--max-running`): the router's queue
+orders them. `--bound worker` holds them at the worker (`--max-num-seqs`; the router lets one
+more batch wait there): the worker's scheduler orders them and preempts a running request for a
+smaller priority. Measured: each class's time to first token, the foreground's against the
+background's, with `--scheduling-policy priority` (background priority 5, foreground -1) and
+under `fcfs` (no priorities sent), servers in turn in one run (`--rounds`), the same seeded
+arrivals for both.
 
     .venv/bin/python bench/priority.py --duration 60 --rounds 2 --out bench/results/priority.json
 
@@ -104,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="requests running at once: the router's --max-running or the worker's --max-num-seqs")
     p.add_argument("--bound", choices=("router", "worker"), default="router",
                    help="where --max-running holds the load: the router's queue, or the worker's")
+    p.add_argument("--mode", choices=("colocated", "pd"), default="colocated", help="the server's --mode")
     p.add_argument("--background", type=int, default=6, help="clients sending long requests back to back")
     p.add_argument("--background-tokens", type=int, default=48)
     p.add_argument("--every", type=float, default=1.0, help="mean seconds between foreground requests")
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     for round_ in range(args.rounds):
         for policy in ("fcfs", "priority"):
             bound = "--max-running" if args.bound == "router" else "--max-num-seqs"
-            command = (f"python -m pdserve.cli serve --mode colocated {bound} {args.max_running} "
+            command = (f"python -m pdserve.cli serve --mode {args.mode} {bound} {args.max_running} "
                        f"--max-queue 1024 --queue-timeout 300 --scheduling-policy {policy}")
             print(f"round {round_ + 1}: {policy} ...", flush=True)
             srv = launch(command, args.log_dir)

@@ -13,9 +13,9 @@ head is admitted (a large request is not overtaken by small ones forever). With
 ``--scheduling-policy priority`` the queue is ordered by each request's ``priority`` (lower first,
 vLLM's convention; FIFO among equals): a request goes before every waiting one of a larger
 priority, and when the queue is full it takes the place of the last waiting one of a larger
-priority, which gets the 429. Under that policy a colocated worker that is full also takes a
-request for each of this router's requests there of a larger priority (at most its capacity
-again): the worker's scheduler preempts one of them for it. Room is looked for
+priority, which gets the 429. Under that policy a worker that is full also takes a request for
+each of this router's requests there of a larger priority (at most its capacity again): the
+worker's scheduler preempts one of them for it, or runs it beside them. Room is looked for
 again whenever a request leaves a worker, a probe reports, or the pool's watch ticks. After
 ``--queue-timeout`` seconds in the queue, or at once when the queue is full, the request gets
 429 with ``Retry-After``. When no worker of a needed role is alive at all (all refused, failed,
@@ -149,17 +149,18 @@ class Admission:
 
     def has_room(self, w: WorkerEndpoint, priority: int = 0) -> bool:
         """Room on `w` for one more choice of `priority`: under its capacity, and not out of KV
-        blocks with requests waiting. Under the priority policy a colocated worker holding this
-        router's choices of a larger priority takes as many more (at most its capacity again):
-        its scheduler preempts them for it (README, "Priority")."""
+        blocks with requests waiting. Under the priority policy a worker holding this router's
+        choices of a larger priority takes as many more (at most its capacity again): its
+        scheduler preempts them for it, or (a PD decode worker) runs it beside them (README,
+        "Priority")."""
         load = w.load
         kv_full = load.total_blocks > 0 and load.free_blocks == 0 and load.waiting > 0
         over = min(self._displaceable(w, priority), self.capacity(w))
         return w.score() < self.capacity(w) + over and (not kv_full or over > 0)
 
     def _displaceable(self, w: WorkerEndpoint, priority: int) -> int:
-        if self.config.scheduling_policy != "priority" or w.role is not Role.BOTH:
-            return 0  # a PD worker does not preempt a running stream for a new one
+        if self.config.scheduling_policy != "priority":
+            return 0  # PD too: a prefill worker preempts prompts; a decode worker's rooms run as they land
         return sum(1 for choice in w.inflight if choice.priority > priority)
 
     def running(self) -> int:

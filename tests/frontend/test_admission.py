@@ -238,7 +238,7 @@ def test_priority_orders_the_queue_and_takes_the_place_of_a_larger_one_in_a_full
     async def scenario() -> None:
         pool = pool_of(max_num_seqs=1)
         adm = admission(pool, max_queue=3, scheduling_policy="priority")
-        held = await hold(adm, 2)  # full
+        held = await hold(adm, 2, -5)  # full, of a priority no later request passes
         order: list[str] = []
 
         async def wait(name: str, priority: int) -> None:
@@ -285,13 +285,12 @@ def test_under_fcfs_the_queue_keeps_arrival_order_whatever_the_priority():
     asyncio.run(scenario())
 
 
-@pytest.mark.parametrize("policy,both", [("priority", 1), ("fcfs", 1), ("priority", 0)])
-def test_a_smaller_priority_passes_a_colocated_worker_full_of_larger_ones(policy, both):
-    """--scheduling-policy priority: a colocated worker full of choices of priority 5 (its
-    capacity, 2) still takes choices of priority -1, one for each of those (its scheduler
-    preempts them for it), never more than its capacity again; a choice of priority 5 waits.
-    Under fcfs, and on PD workers (which do not preempt a running stream for a new one),
-    nothing passes a full worker."""
+@pytest.mark.parametrize("policy,both", [("priority", 1), ("fcfs", 1), ("priority", 0), ("fcfs", 0)])
+def test_a_smaller_priority_passes_a_worker_full_of_larger_ones(policy, both):
+    """--scheduling-policy priority: a worker full of choices of priority 5 (its capacity, 2),
+    colocated or a PD pair, still takes choices of priority -1, one for each of those (its
+    scheduler preempts them for it, or runs it beside them), never more than its capacity
+    again; a choice of priority 5 waits. Under fcfs nothing passes a full worker."""
     async def scenario() -> None:
         pool = pool_of(prefill=1 - both, decode=1 - both, both=both, max_num_seqs=1)
         adm = admission(pool, scheduling_policy=policy, queue_timeout_s=0.05)
@@ -303,7 +302,7 @@ def test_a_smaller_priority_passes_a_colocated_worker_full_of_larger_ones(policy
             except APIError as e:
                 assert e.status == 429
                 break
-        assert len(passed) == (2 if (policy, both) == ("priority", 1) else 0)
+        assert len(passed) == (2 if policy == "priority" else 0)
         with pytest.raises(APIError):
             await hold(adm, 1, 5)
         release(held + passed)

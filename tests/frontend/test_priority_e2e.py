@@ -1,9 +1,14 @@
-"""Priority preemption end to end: `pdserve serve` (colocated) whose worker runs one request at
-a time (`--max-num-seqs 1`, so the router's capacity for it is 2) under `--scheduling-policy
-priority`. Two requests of priority 5 fill it: one streams, one waits on the worker. A request of
-priority -1 then passes the full router and takes the running one's place at once: it ends
+"""Priority end to end under `--scheduling-policy priority`, with `--max-num-seqs 1` (so the
+router's capacity for a worker is 2).
+
+Colocated: two requests of priority 5 fill the worker, one streams, one waits on it. A request
+of priority -1 then passes the full router and takes the running one's place at once: it ends
 first, the worker counts one preemption, and the preempted request, recomputed, answers as it
-does alone."""
+does alone.
+
+PD: two requests of priority 5 stream from the decode worker (its rooms are not bounded by
+`--max-num-seqs`). A request of priority -1 passes the full router at once, is decoded beside
+them and ends first; nothing is preempted."""
 from __future__ import annotations
 
 import asyncio
@@ -30,10 +35,32 @@ def server() -> Iterator[Server]:
     stop_server(srv.proc)
 
 
-def worker_metric(srv: Server, name: str) -> float:
-    """A metric of the worker (its /metrics, found through the router's /health)."""
-    text = httpx.get(srv.workers()["both"] + "/metrics", timeout=10).text
+@pytest.fixture(scope="module")
+def pd() -> Iterator[Server]:
+    srv = start_server("--mode", "pd", "--max-num-seqs", "1", "--scheduling-policy", "priority")
+    yield srv
+    stop_server(srv.proc)
+
+
+def worker_metric(srv: Server, name: str, role: str = "both") -> float:
+    """A metric of a worker (its /metrics, found through the router's /health)."""
+    text = httpx.get(srv.workers()[role] + "/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
+
+
+async def streamed(http: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None) -> str:
+    """A streamed chat answer's content; `started` is set at its first piece."""
+    parts = []
+    async with http.stream("POST", CHAT, json={**body, "stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                choices = json.loads(line[6:])["choices"]
+                if choices and choices[0]["delta"].get("content"):
+                    parts.append(choices[0]["delta"]["content"])
+                    if started is not None:
+                        started.set()
+    return "".join(parts)
 
 
 def test_a_smaller_priority_passes_the_full_router_and_preempts_the_running_request(
@@ -48,18 +75,8 @@ def test_a_smaller_priority_passes_the_full_router_and_preempts_the_running_requ
             streaming = asyncio.Event()
 
             async def ask(name: str, body: dict) -> None:
-                parts = []
-                async with http.stream("POST", CHAT, json={**body, "stream": True}) as r:
-                    assert r.status_code == 200, await r.aread()
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: {"):
-                            choices = json.loads(line[6:])["choices"]
-                            if choices and choices[0]["delta"].get("content"):
-                                parts.append(choices[0]["delta"]["content"])
-                                if name == "low-1":
-                                    streaming.set()
+                texts[name] = await streamed(http, body, streaming if name == "low-1" else None)
                 ended.append(name)
-                texts[name] = "".join(parts)
 
             tasks = [asyncio.create_task(ask("low-1", LONG))]
             await streaming.wait()  # it holds the worker's one running slot, mid-answer
@@ -79,3 +96,27 @@ def test_a_smaller_priority_passes_the_full_router_and_preempts_the_running_requ
     for name in ("low-1", "low-2"):  # low-1 recomputed from its tokens: its answer, bar a near-tie
         got = texts[name]
         assert got == expected or chat_near_tie(default_model_dir, tokenizer, LONG["messages"], got, expected)
+
+
+def test_in_pd_a_smaller_priority_passes_the_full_router_and_is_decoded_beside_the_others(pd):
+    roles = ("prefill", "decode")
+    before = {role: worker_metric(pd, "pdserve:num_preemptions_total", role) for role in roles}
+
+    async def scenario() -> list[str]:
+        ended: list[str] = []
+        async with httpx.AsyncClient(base_url=pd.url, timeout=300) as http:
+            async def ask(name: str, body: dict, started: asyncio.Event | None = None) -> None:
+                await streamed(http, body, started)
+                ended.append(name)
+
+            started = {name: asyncio.Event() for name in ("low-1", "low-2")}
+            tasks = [asyncio.create_task(ask(name, LONG, started[name])) for name in started]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 120)
+            await ask("high", {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+                               "temperature": 0, "ignore_eos": True, "priority": -1})
+            await asyncio.wait_for(asyncio.gather(*tasks), 300)
+        return ended
+
+    ended = asyncio.run(scenario())
+    assert ended[0] == "high" and sorted(ended[1:]) == ["low-1", "low-2"]
+    assert {role: worker_metric(pd, "pdserve:num_preemptions_total", role) for role in roles} == before
