@@ -86,7 +86,6 @@ class TextDecoder:
 
     def __init__(self, tokenizer: Tokenizer, stop: list[str], include_stop: bool = False,
                  ends: Iterable[int] = (), skip_special_tokens: bool = True) -> None:
-        self._tokenizer = tokenizer
         self._text = TextStream(tokenizer, stop, skip_special_tokens=skip_special_tokens, include_stop=include_stop)
         self._ends = frozenset(ends)
         self._include_stop = include_stop
