@@ -45,6 +45,14 @@ def tokenizers(tmp_path_factory, default_model_dir) -> dict[str, Tokenizer]:
     return out
 
 
+def counted(tok) -> tuple[PromptPrefixes, list[int]]:
+    """A cache for `tok` and the list its reuse counter appends to (ids taken per encode)."""
+    prefixes = PromptPrefixes(tok)
+    reused: list[int] = []
+    prefixes.on_reuse = reused.append
+    return prefixes, reused
+
+
 def test_every_real_tokenizer_here_has_cut_tokens(tokenizers):
     """The property test below is only worth something where caching is on."""
     for key, tok in tokenizers.items():
@@ -160,9 +168,7 @@ def test_a_text_completions_next_turn_reuses_its_last_prompt(framed):
     its next prompt, the last one plus an answer and a new turn, tokenizes after the last one's
     last cut token; the BOS frames the reused ids."""
     tok = framed["bos"]
-    prefixes = PromptPrefixes(tok)
-    reused: list[int] = []
-    prefixes.on_reuse = reused.append
+    prefixes, reused = counted(tok)
     first = "<|im_start|>user\nRead the file and sum the column.<|im_end|>\n<|im_start|>"
     second = first + "assistant\nReading it now.<|im_end|>\n<|im_start|>user\nIt says 4, 5, 6.<|im_end|>\n<|im_start|>"
     ids = [prefixes.encode(t, add_special_tokens=True) for t in (first, second)]
@@ -179,9 +185,7 @@ def test_a_conversations_next_turn_tokenizes_only_its_new_text(tokenizers):
     """SmolLM2's chat template: turn 2 reuses turn 1's ids up to the `<|im_start|>` that opens
     the answer; what is left to tokenize is "assistant\\n", the answer and the new user turn."""
     tok = tokenizers["smollm2"]
-    prefixes = PromptPrefixes(tok)
-    reused: list[int] = []
-    prefixes.on_reuse = reused.append
+    prefixes, reused = counted(tok)
     rng = random.Random(7)
     words = "plan read file search answer tool result context 😀 naïve".split()
     messages = [{"role": "system", "content": " ".join(rng.choice(words) for _ in range(300))}]
@@ -213,9 +217,7 @@ def test_a_template_that_rewrites_the_last_prompts_end_still_reuses_the_rest(tok
     """The next turn takes the last prompt up to the cut before the part the template rewrote,
     and the conversation still keeps one entry."""
     tok = tokenizers[key]
-    prefixes = PromptPrefixes(tok)
-    reused: list[int] = []
-    prefixes.on_reuse = reused.append
+    prefixes, reused = counted(tok)
     messages = [{"role": "system", "content": "You are an agent. " * 30}, {"role": "user", "content": "Start."}]
     previous: list[int] = []
     for turn in range(4):
@@ -237,9 +239,7 @@ def test_sessions_sharing_a_system_prompt_keep_their_own_entries(tokenizers):
     """A session's first turn reuses another's system prompt without taking that session's
     entry: each later turn still reuses its own conversation."""
     tok = tokenizers["smollm2"]
-    prefixes = PromptPrefixes(tok)
-    reused: list[int] = []
-    prefixes.on_reuse = reused.append
+    prefixes, reused = counted(tok)
     system = {"role": "system", "content": "Use the tools well. " * 50}
     sessions = [[system, {"role": "user", "content": f"Task {s}: " + "read the files and report. " * 5}]
                 for s in range(4)]
@@ -307,9 +307,7 @@ def test_threads_tokenizing_at_once_get_their_own_ids(tokenizers):
 
 def test_a_cache_salt_reuses_only_its_own_entries(tokenizers):
     tok = tokenizers["smollm2"]
-    prefixes = PromptPrefixes(tok)
-    reused: list[int] = []
-    prefixes.on_reuse = reused.append
+    prefixes, reused = counted(tok)
     turn1 = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     turn2 = turn1 + "hello<|im_end|>\n<|im_start|>user\nmore<|im_end|>\n<|im_start|>assistant\n"
     prefixes.encode(turn1, "tenant-a")
