@@ -31,7 +31,7 @@ from collections import OrderedDict, deque
 
 import torch
 
-from .pool import KVPool
+from .pool import KVPool, zeroed
 from pdserve.block_names import BlockHash
 
 
@@ -43,8 +43,9 @@ class HostTier:
             raise ValueError("the host cache tier needs at least one block")
         device = pool.tensors()[0].device
         self.pool, self.num_blocks = pool, num_blocks
-        self.tensors = [torch.zeros((num_blocks, *t.shape[1:]), dtype=t.dtype, pin_memory=device.type == "cuda")
-                        for t in pool.tensors()]
+        shapes = [((num_blocks, *t.shape[1:]), t.dtype) for t in pool.tensors()]
+        self.tensors = ([torch.zeros(shape, dtype=dtype, pin_memory=True) for shape, dtype in shapes]  # async copies
+                        if device.type == "cuda" else zeroed(shapes, device))
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._empty: deque[int] = deque(range(num_blocks))
         self._lru: OrderedDict[BlockHash, int] = OrderedDict()  # name → host block, oldest first

@@ -4,12 +4,42 @@ index keys)."""
 from __future__ import annotations
 
 import logging
+import math
+import mmap
+import os
 
 import torch
 
 from .spec import CacheTensorSpec
 
 logger = logging.getLogger(__name__)
+
+
+PAGE = 4096
+
+
+def zeroed(shapes: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device) -> list[torch.Tensor]:
+    """Zero tensors of these (shape, dtype)s: the memory of a KV pool or of a host tier.
+
+    On the CPU they share one shared-memory file ("pdserve-kv" in /proc/<pid>/maps), whose pages
+    the kernel zeroes as they are first written. A pool then costs resident memory only for the
+    blocks it has used: its size is a bound, not an up-front cost, so workers on one host fit
+    beside each other. Being shared memory, it is counted apart from the process's heap (RssShmem
+    against RssAnon), which keeps leak checks on the heap meaningful as the pool fills.
+    """
+    if device.type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes]
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in shapes]
+    offsets = [0]
+    for n in sizes:
+        offsets.append(offsets[-1] + -(-n // PAGE) * PAGE)
+    fd = os.memfd_create("pdserve-kv", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, max(offsets[-1], PAGE))
+        arena = torch.frombuffer(mmap.mmap(fd, max(offsets[-1], PAGE)), dtype=torch.uint8)  # keeps the map
+    finally:
+        os.close(fd)
+    return [arena[at:at + n].view(dtype).view(shape) for (shape, dtype), at, n in zip(shapes, offsets, sizes)]
 
 
 class KVPool:
@@ -25,11 +55,9 @@ class KVPool:
             raise ValueError("the KV pool needs at least one block; raise the KV cache budget")
         self.layer_specs = layer_specs
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.layers: list[dict[str, torch.Tensor]] = [
-            {s.name: torch.zeros(num_blocks, block_size, *s.shape, dtype=s.dtype, device=device)
-             for s in specs}
-            for specs in layer_specs
-        ]
+        memory = iter(zeroed([((num_blocks, block_size, *s.shape), s.dtype) for specs in layer_specs for s in specs],
+                             torch.device(device)))
+        self.layers: list[dict[str, torch.Tensor]] = [{s.name: next(memory) for s in specs} for specs in layer_specs]
         logger.info("KV pool: %d blocks x %d tokens, %.1f MiB (%s)", num_blocks, block_size,
                     self.bytes_per_block(layer_specs, block_size) * num_blocks / 2**20,
                     ", ".join(sorted({str(s.dtype).removeprefix("torch.") for specs in layer_specs for s in specs})))
