@@ -28,6 +28,7 @@ setup(
         "test": [
             "pytest",
             "pytest-timeout",
+            "pytest-xdist",  # make test runs two test processes (tests/README: why)
             "hypothesis",
             "jsonschema",
             "transformers>=5",
