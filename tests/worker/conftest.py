@@ -105,7 +105,9 @@ class PDClient:
     def __init__(self, prefill: WorkerProc | None, decode: WorkerProc, keep_prefills: bool = False):
         self.prefill, self.decode = prefill, decode
         # keep_prefills: a /prefill call outlives its decode stream (not cancelled when it breaks);
-        # `prefill_errors` has each failed call's (status, error code)
+        # `prefill_errors` has each failed call's (status, error code), or (0, exception name) when
+        # the prefill worker could not be reached. (A task's exception nobody retrieves is logged
+        # when the task is collected, from whatever code runs then: keep them all retrieved.)
         self.keep_prefills = keep_prefills
         self.prefills: list[asyncio.Task] = []
         self.prefill_errors: dict[str, tuple[int, str]] = {}
@@ -143,8 +145,12 @@ class PDClient:
         body = api.PrefillRequest(request_id=req.request_id, prompt_ids=req.prompt_ids, params=req.params,
                                   decode=api.DecodeTarget(worker_id=room.worker_id, decode_url=self.decode.url,
                                                           blocks=room.blocks, cached_blocks=room.cached_blocks))
-        r = await self.http.post(self.prefill.url + "/prefill", headers={"X-Request-Id": req.request_id},
-                                 json=body.wire())
+        try:
+            r = await self.http.post(self.prefill.url + "/prefill", headers={"X-Request-Id": req.request_id},
+                                     json=body.wire())
+        except httpx.TransportError as e:  # the prefill worker died: recorded, never left unretrieved
+            self.prefill_errors[req.request_id] = (0, type(e).__name__)
+            return
         if r.status_code != 200:  # a failed prefill is an error status (ErrorBody)
             self.prefill_errors[req.request_id] = (r.status_code, r.json()["error"]["code"])
             try:
