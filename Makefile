@@ -3,7 +3,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdserve-setup
 PYTEST_ARGS ?=
-# Two test processes, a test file each at a time: one alone leaves a core idle half the time.
+# Two test processes, a test file each at a time: one alone leaves a core idle a third of the time.
+# PYTEST_WORKERS= runs the tests in one process.
 PYTEST_WORKERS ?= -n 2 --dist loadfile
 
 .PHONY: setup serve test bench clean

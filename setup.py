@@ -28,7 +28,7 @@ setup(
         "test": [
             "pytest",
             "pytest-timeout",
-            "pytest-xdist",  # make test runs two test processes (tests/README: why)
+            "pytest-xdist",  # make test runs two test processes (README, "Testing": why)
             "hypothesis",
             "jsonschema",
             "transformers>=5",
