@@ -25,7 +25,7 @@ def zeroed(shapes: list[tuple[tuple[int, ...], torch.dtype]], device: torch.devi
     against RssAnon), which keeps leak checks on the heap meaningful as the pool fills. A block's
     first write pays its page faults instead (≈ 0.35 ms a MiB, what zeroing it at start cost).
     """
-    if device.type != "cpu":
+    if device.type != "cpu" or not hasattr(os, "memfd_create"):  # a GPU, or not Linux: zeroed up front
         return [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype in shapes]
     sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype in shapes]
     offsets = [0]

@@ -30,3 +30,17 @@ def test_a_cpu_pool_reads_zero_and_is_resident_only_where_written():
     for t in pool.tensors():
         assert t[:100].count_nonzero() == 0 and t[164:].count_nonzero() == 0 and bool(t[100:164].eq(1).all())
     assert all(t.count_nonzero() == 0 for t in host.tensors)
+
+
+def test_without_memfd_the_pool_is_zeroed_up_front(monkeypatch):
+    """Where the OS has no memfd_create (not Linux), the pool is ordinary zeroed memory."""
+    import os
+
+    monkeypatch.delattr(os, "memfd_create")
+    specs = [[CacheTensorSpec("k", (2, 64), torch.float32)]]
+    pool = KVPool(specs, 1024, 16)                                     # 8 MiB
+    assert all(t.count_nonzero() == 0 for t in pool.tensors())
+    before = resident_mib()
+    for t in pool.tensors():
+        t.fill_(1.0)
+    assert resident_mib()["RssShmem"] - before["RssShmem"] < 1      # not the shared-memory file
