@@ -11,9 +11,11 @@ the second, this checkout's).
 
 Each measurement is its own process (a process loads one library): 30 layers' calls of the
 default model's shapes (9 query heads, 3 KV heads, head_dim 64, blocks of 16), a context of
-1,350 keys, for 1 row, 4 rows with their own blocks and 4 rows sharing every block (an agent's
-system prompt), and an agent's later turn (the extend kernel: 52 new tokens over 1,280 cached),
-the median of 25 passes; with a pool of 2,000 blocks a layer (its K/V far
+1,350 keys, for 1 row, 4 rows with their own blocks, 4 rows sharing every block, 4 and 16 rows
+sharing their first 1,200 keys (agent sessions over one system prompt: the prefix cache gives
+them the same blocks), an agent's later turn (the extend kernel: 52 new tokens over 1,280
+cached), and that turn beside 3 decode rows sharing its first 1,200 keys (a mixed step), the
+median of 25 passes; with a pool of 2,000 blocks a layer (its K/V far
 beyond the last-level cache of most machines: streamed from memory) and of 400. Both instruction
 sets that this CPU has.
 """
@@ -27,9 +29,10 @@ from pathlib import Path
 
 from common import RESULTS, environment, table, write_json
 
-# (name, decode rows or 0, rows share their blocks, new tokens of an extend or 0)
-CASES = (("1 row", 1, False, 0), ("4 rows", 4, False, 0), ("4 rows, shared blocks", 4, True, 0),
-         ("turn: 52 new over 1,280", 0, False, 52))
+# (name, decode rows, keys every sequence shares (its first blocks), new tokens of an extend or 0)
+CASES = (("1 row", 1, 0, 0), ("4 rows", 4, 0, 0), ("4 rows, shared blocks", 4, 1350, 0),
+         ("4 rows sharing 1,200", 4, 1200, 0), ("16 rows sharing 1,200", 16, 1200, 0),
+         ("turn: 52 new over 1,280", 0, 0, 52), ("turn + 3 rows sharing 1,200", 3, 1200, 52))
 
 _ONE = r'''
 import json, statistics, sys, time
@@ -46,15 +49,18 @@ v = [torch.randn(blocks, bs, kv_heads, d) for _ in range(layers)]
 width = (ctx + bs - 1) // bs
 out = {}
 for name, rows, shared, new in cases:
-    perm = torch.randperm(blocks)
+    perm = torch.randperm(blocks).tolist()
+    common, own = perm[:shared // bs], iter(perm[shared // bs:])
+    seqs = ([1280 + new] if new else []) + [ctx] * rows  # the extend's sequence first
+    lens = torch.tensor(seqs)
+    tables = torch.tensor([common + [next(own) for _ in range(width - len(common))] for _ in seqs])
     if new:
-        tables, lens = perm[:width].view(1, width).contiguous(), torch.tensor([1280 + new])
-        starts, q = torch.tensor([0, new]), torch.randn(new, heads, d)
+        starts = torch.tensor([0] + [new + i for i in range(rows + 1)])
+        q = torch.randn(new + rows, heads, d)
         call = lambda layer: cpu_lib.paged_extend_attention(q, k[layer], v[layer], tables, lens, starts, 0.125,
                                                             isa=isa, threads=threads)
     else:
-        tables = (perm[:width].repeat(rows, 1) if shared else perm[:rows * width].view(rows, width)).contiguous()
-        lens, q = torch.full((rows,), ctx, dtype=torch.int64), torch.randn(rows, heads, d)
+        q = torch.randn(rows, heads, d)
         call = lambda layer: cpu_lib.paged_decode_attention(q, k[layer], v[layer], tables, lens, 0.125,
                                                             isa=isa, threads=threads)
     times = []

@@ -36,7 +36,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 LIB_NAME = "libpdserve_cpu.so"
-ABI_VERSION = 14
+ABI_VERSION = 15
 SRC_DIR = Path(__file__).resolve().parent.parent / "csrc" / "cpu"
 COMMON_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fvisibility=hidden", "-fopenmp-simd", "-pthread", "-DNDEBUG")
 UNIT_FLAGS: dict[str, tuple[str, ...]] = {
@@ -187,6 +187,8 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
     lib.pds_cpu_qmatmul_packed.argtypes = [_I, _P, _I64, _I64, _P, _P, _I64, _P, _I]
     lib.pds_cpu_round_int16.restype = _I
     lib.pds_cpu_round_int16.argtypes = [_P, _I64, _I64, _P]
+    lib.pds_cpu_decode_units.restype = _I64
+    lib.pds_cpu_decode_units.argtypes = [_P, _I64, _P, *[_I64] * 5, _I, _P, _I64]
     if lib.pds_cpu_abi_version() != ABI_VERSION:
         return None, Availability(False, f"{path}: ABI {lib.pds_cpu_abi_version()}, need {ABI_VERSION}")
     isa = lib.pds_cpu_isa(0)
@@ -282,6 +284,23 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise RuntimeError(f"pds_cpu_paged_decode_attention: {why} (B {B}, heads {heads}, "
                            f"kv_heads {kv_heads}, head_dim {d}, block_size {block_size})")
     return out
+
+
+def decode_units(block_tables: torch.Tensor, lens: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                 block_size: int, isa: str | None = None) -> list[tuple[int, int, int, int]]:
+    """How `paged_decode_attention` cuts these rows into units of work (csrc/cpu/decode_split.h):
+    per unit (rows in it, KV head, part of the keys, keys its rows share). Rows whose first blocks
+    are the same share a unit for those keys (AVX-512); every other unit is one row's."""
+    lib = _loaded()
+    tables = block_tables.to(torch.int64).contiguous()
+    lens = lens.to(torch.int64).contiguous()
+    room = int(tables.shape[0]) * kv_heads * int(max(1, -(-int(lens.max()) // 1024))) if lens.numel() else 0
+    out = torch.empty(max(room, 1), 4, dtype=torch.int64)
+    n = lib.pds_cpu_decode_units(tables.data_ptr(), tables.stride(0), lens.data_ptr(), lens.numel(), heads,
+                                 kv_heads, head_dim, block_size, ISAS[isa or default_isa()], out.data_ptr(), room)
+    if n < 0:
+        raise RuntimeError("pds_cpu_decode_units: " + ("instruction set unavailable" if n == -1 else "bad arguments"))
+    return [tuple(int(x) for x in row) for row in out[:n].tolist()]
 
 
 def paged_extend_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

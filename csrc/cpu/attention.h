@@ -85,6 +85,32 @@ void decode_attention_avx2(const DecodeAttention& a, int64_t b, int64_t kvh, con
 // The same on AVX-512 (attention_avx512.cpp); false (nothing done) for shapes it does not cover.
 bool decode_attention_avx512(const DecodeAttention& a, int64_t b, int64_t kvh, const DecodeKeys& keys,
                              float* scratch);
+// Whether the AVX-512 kernel covers the shape (else the AVX2 one runs).
+inline bool decode_avx512_covers(const DecodeAttention& a) {
+  const int64_t group = a.heads / a.kv_heads;
+  return (a.head_dim == 64 || a.head_dim == 128) && group >= 1 && group <= 8;
+}
+
+// Decode rows whose first blocks are the same (a prefix cache hit shared by several sequences)
+// read the same K/V rows there. Up to this many such rows are one unit of work: each chunk of
+// their shared keys is loaded once for all of them (decode_split.h).
+constexpr int64_t kSharedRowsMax = 8;
+// Rows share a unit only when they share at least this many keys.
+constexpr int64_t kSharedKeysMin = 64;
+
+// Scratch floats of a unit of shared rows: the chunk's scores and every row's parked state.
+inline int64_t decode_rows_scratch(const DecodeAttention& a) {
+  const int64_t group = a.heads / a.kv_heads;
+  return group * 16 + kSharedRowsMax * group * (a.head_dim + 2);
+}
+
+// `n` (<= kSharedRowsMax) rows on AVX-512 (a shape decode_avx512_covers): rows[i] is row i as a
+// batch of one (b = 0), keys[i] its keys; keys [keys[i].begin, shared) are the same blocks for
+// every row (`shared` a multiple of the block size, at most every keys[i].end). Each row gets the
+// bits decode_attention_avx512 gives it alone.
+bool decode_rows_avx512(const DecodeAttention* rows, int64_t n, int64_t kvh, const DecodeKeys* keys,
+                        int64_t shared, float* scratch);
+
 // Sequence `b`, KV head `kvh`: the output from its `parts` states (`states`, one after another),
 // combined in part order (attention_avx2.cpp: one definition, so every caller gets the same bits).
 void decode_attention_merge(const DecodeAttention& a, int64_t b, int64_t kvh, const float* states, int64_t parts);

@@ -102,7 +102,7 @@ using namespace pds_cpu;
 
 extern "C" {
 
-__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 14; }
+__attribute__((visibility("default"))) int pds_cpu_abi_version() { return 15; }
 
 // The instruction set `isa` (0 auto) resolves to on this CPU: 1 AVX2, 2 AVX-512 VNNI, 0 none.
 __attribute__((visibility("default"))) int pds_cpu_isa(int isa) {
@@ -202,16 +202,43 @@ __attribute__((visibility("default"))) int pds_cpu_paged_decode_attention(
     if (lens[b] <= 0) return 2;
   const DecodeAttention a{q, q_stride, k_cache, v_cache, kv_half != 0, tables, table_stride, lens, out,
                           heads, kv_heads, head_dim, block_size, scale};
-  DecodeSplit split(a, B, [](int64_t) { return true; });
-  std::vector<int64_t> first_unit(B + 1, 0);  // units of rows before b
-  for (int64_t b = 0; b < B; ++b) first_unit[b + 1] = first_unit[b] + split.units(b);
-  parallel_for_chunks(first_unit[B], threads, [&](int64_t u) {
+  const bool wide = k == &kAvx512, share = wide && decode_avx512_covers(a);
+  DecodeSplit split(a, B, [](int64_t) { return true; }, share);
+  const int64_t scratch_floats = std::max(decode_attention_scratch(a), share ? decode_rows_scratch(a) : 0);
+  const auto row = [&](int64_t b) {  // row b as a batch of one
+    DecodeAttention d = a;
+    d.q = q + b * q_stride;
+    d.out = out + b * heads * head_dim;
+    d.tables = tables + b * table_stride;
+    d.lens = lens + b;
+    return d;
+  };
+  parallel_for_chunks(split.units(), threads, [&](int64_t u) {
     thread_local std::vector<float> scratch;
-    if (static_cast<int64_t>(scratch.size()) < decode_attention_scratch(a)) scratch.resize(decode_attention_scratch(a));
-    const int64_t b = std::upper_bound(first_unit.begin(), first_unit.end(), u) - first_unit.begin() - 1;
-    split.run(b, u - first_unit[b], a, b, scratch.data(), k == &kAvx512);
+    if (static_cast<int64_t>(scratch.size()) < scratch_floats) scratch.resize(scratch_floats);
+    split.run(u, row, scratch.data(), wide);
   });
   return 0;
+}
+
+// How a decode call of these rows is cut into units (decode_split.h), for tests: per unit, its
+// number of rows, KV head, part and shared keys, 4 int64 into `out` (room for `max_units`).
+// Returns the number of units, -1 when the instruction set is unavailable, -2 for bad arguments.
+__attribute__((visibility("default"))) int64_t pds_cpu_decode_units(
+    const int64_t* tables, int64_t table_stride, const int64_t* lens, int64_t B, int64_t heads, int64_t kv_heads,
+    int64_t head_dim, int64_t block_size, int isa, int64_t* out, int64_t max_units) {
+  const Kernels* k = pick(isa);
+  if (k == nullptr) return -1;
+  if (B < 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 || block_size <= 0) return -2;
+  const DecodeAttention a{nullptr, 0, nullptr, nullptr, false, tables, table_stride, lens, nullptr,
+                          heads, kv_heads, head_dim, block_size, 1.0f};
+  DecodeSplit split(a, B, [](int64_t) { return true; }, k == &kAvx512 && decode_avx512_covers(a));
+  for (int64_t u = 0; u < std::min(split.units(), max_units); ++u) {
+    const DecodeSplit::Unit& w = split.unit(u);
+    const int64_t row[4] = {w.count, w.kvh, w.part, w.shared};
+    std::copy(row, row + 4, out + 4 * u);
+  }
+  return split.units();
 }
 
 // rows x dim fp32, row-major: x += residual (residual may be null), out = rms_norm(x) * w.

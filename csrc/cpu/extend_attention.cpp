@@ -40,28 +40,34 @@ __attribute__((visibility("default"))) int pds_cpu_paged_extend_attention(
   const auto is_row = [&](int64_t b) { return starts[b + 1] - starts[b] == 1; };
   const DecodeAttention one{q, q_stride, k_cache, v_cache, kv_half != 0, tables, table_stride, lens, out,
                             heads, kv_heads, head_dim, block_size, scale};
-  DecodeSplit split(one, B, is_row);
+  const bool wide = k == &kAvx512;
+  const bool share = wide && decode_avx512_covers(one);
+  DecodeSplit split(one, B, is_row, share);
+  const auto row = [&](int64_t b) {  // decode row b as a batch of one: its q row is starts[b]
+    DecodeAttention d = one;
+    d.q = q + starts[b] * q_stride;
+    d.out = out + starts[b] * heads * head_dim;
+    d.tables = tables + b * table_stride;
+    d.lens = lens + b;
+    return d;
+  };
+  // the decode rows' units first, then each prompt chunk's (KV head, tile) units
   const int64_t per_tile = extend_tokens_per_tile(a);
-  std::vector<int64_t> first_unit(B + 1, 0);  // units of sequences before b
+  std::vector<int64_t> first_unit(B + 1, split.units());  // units before sequence b's tiles
   for (int64_t b = 0; b < B; ++b) {
     const int64_t n = starts[b + 1] - starts[b];
-    first_unit[b + 1] = first_unit[b] + (is_row(b) ? split.units(b) : (n + per_tile - 1) / per_tile * kv_heads);
+    first_unit[b + 1] = first_unit[b] + (is_row(b) ? 0 : (n + per_tile - 1) / per_tile * kv_heads);
   }
-  const bool wide = k == &kAvx512;
-  const int64_t scratch_floats = std::max(extend_attention_scratch(a), decode_attention_scratch(one));
+  const int64_t scratch_floats = std::max({extend_attention_scratch(a), decode_attention_scratch(one),
+                                           share ? decode_rows_scratch(one) : 0});
   parallel_for_chunks(first_unit[B], threads, [&](int64_t u) {
-    const int64_t b = std::upper_bound(first_unit.begin(), first_unit.end(), u) - first_unit.begin() - 1;
     thread_local std::vector<float> scratch;
     if (static_cast<int64_t>(scratch.size()) < scratch_floats) scratch.resize(scratch_floats);
-    if (is_row(b)) {
-      DecodeAttention d = one;  // the row as a batch of one: its q row is starts[b]
-      d.q = q + starts[b] * q_stride;
-      d.out = out + starts[b] * heads * head_dim;
-      d.tables = tables + b * table_stride;
-      d.lens = lens + b;
-      split.run(b, u - first_unit[b], d, 0, scratch.data(), wide);
+    if (u < split.units()) {
+      split.run(u, row, scratch.data(), wide);
       return;
     }
+    const int64_t b = std::upper_bound(first_unit.begin(), first_unit.end(), u) - first_unit.begin() - 1;
     // a KV head's tiles are neighbours: a thread taking the next unit finds its K/V in cache
     const int64_t tiles = (first_unit[b + 1] - first_unit[b]) / kv_heads;
     const int64_t local = u - first_unit[b], kvh = local / tiles, tile = local % tiles;

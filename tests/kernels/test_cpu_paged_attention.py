@@ -151,3 +151,91 @@ def test_an_fp16_cache_of_other_head_sizes_runs_the_reference():
     assert torch.equal(got, attention.paged_attention(q, k16, v16, [0, 1, 2], [20, 7], tables, 0.25))
     with pytest.raises(ValueError, match="fp16 caches"):
         cpu_lib.paged_decode_attention(q, k16, v16, tables, torch.tensor([20, 7]), 0.25)
+
+
+def _sharing_case(groups: list[tuple[int, list[int]]], heads: int, kv_heads: int, head_dim: int, block_size: int,
+                  seed: int):
+    """Rows that share their first blocks, as sequences that hit one cached prefix do: per group,
+    (blocks its rows share, each row's context length); each row's other blocks are its own."""
+    g = torch.Generator().manual_seed(seed)
+    lens = [n for _, ns in groups for n in ns]
+    need = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(shared for shared, _ in groups) + sum(need) + 3
+    order = iter(torch.randperm(num_blocks, generator=g).tolist())
+    tables = torch.zeros(len(lens), max(need) + 2, dtype=torch.long)
+    row = 0
+    for shared, ns in groups:
+        common = [next(order) for _ in range(shared)]
+        for n in ns:
+            blocks = (common + [next(order) for _ in range(max(0, need[row] - shared))])[:need[row]]
+            tables[row, :len(blocks)] = torch.tensor(blocks)
+            row += 1
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    q = torch.randn(len(lens), heads + 2 * kv_heads, head_dim, generator=g)[:, :heads]
+    return q, k_cache, v_cache, tables, lens
+
+
+SHARING = [  # (groups: (shared blocks, context lengths)), heads, kv_heads, head_dim, block_size
+    ([(80, [1350, 1350, 1400, 1290]), (0, [700])], 9, 3, 64, 16),     # agent sessions over one prompt
+    ([(130, [2600, 3000, 2100, 1100, 2081]), (3, [60, 900])], 9, 3, 64, 16),  # the shared keys span parts
+    ([(40, [700] * 11)], 8, 1, 128, 16),                                # more rows than one unit takes
+    ([(10, [500, 520, 330]), (12, [400, 640])], 12, 4, 64, 32),         # two prompts, blocks of 32
+    ([(300, [2100, 2400, 3100])], 6, 2, 64, 7),                          # parts that start inside a block
+    ([(3, [40, 300, 80])], 4, 4, 64, 16),                               # too few shared keys to share a unit
+]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("half", [False, True], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("groups,heads,kv_heads,head_dim,block_size", SHARING)
+def test_rows_that_share_a_prefix_get_the_bits_they_get_alone(groups, heads, kv_heads, head_dim, block_size, half,
+                                                              isa):
+    """Rows whose first blocks are the same share a unit of work over those keys (each chunk loaded
+    once for all of them, decode_split.h) on AVX-512; every row still does its own arithmetic in
+    its own order, so it gets the bits it gets alone, on 1 or 2 threads, in a decode or a mixed
+    batch, and within the reference's bound."""
+    q, k_cache, v_cache, tables, lens = _sharing_case(groups, heads, kv_heads, head_dim, block_size, seed=heads)
+    if half:
+        k_cache, v_cache = k_cache.half(), v_cache.half()
+    scale, n = head_dim ** -0.5, torch.tensor(lens)
+    alone = torch.cat([cpu_lib.paged_decode_attention(q[b:b + 1], k_cache, v_cache, tables[b:b + 1], n[b:b + 1], scale,
+                                                      isa=isa, threads=1) for b in range(len(lens))])
+    for threads in (1, 2):
+        batch = cpu_lib.paged_decode_attention(q, k_cache, v_cache, tables, n, scale, isa=isa, threads=threads)
+        assert torch.equal(batch, alone)
+    # the same rows as the decode tokens of a mixed step, after a prompt chunk of 5 tokens over 30
+    prompt_q = torch.randn(5, heads, head_dim, generator=torch.Generator().manual_seed(1))
+    prompt_table = torch.zeros(1, tables.shape[1], dtype=torch.long)
+    prompt_table[0, :3] = tables[0, :3]
+    mixed = cpu_lib.paged_extend_attention(torch.cat([prompt_q, q]), k_cache, v_cache, torch.cat([prompt_table, tables]),
+                                           torch.tensor([30] + lens), torch.tensor([0, 5] + [6 + b for b in range(len(lens))]),
+                                           scale, isa=isa, threads=2)
+    assert torch.equal(mixed[5:], alone)
+    want = attention.paged_attention(q, k_cache, v_cache, list(range(len(lens) + 1)), lens, tables, scale)
+    torch.testing.assert_close(alone, want, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not cpu_lib.isa_supported("avx512"), reason="no avx512 here")
+def test_rows_that_share_blocks_share_units_on_avx512():
+    """The plan behind the test above: which rows share a unit, over which keys."""
+    groups = [(80, [1350, 1350, 1400, 1290]), (0, [700])]  # 80 blocks of 16: 1,280 keys
+    _, _, _, tables, lens = _sharing_case(groups, 9, 3, 64, 16, seed=0)
+    units = cpu_lib.decode_units(tables, torch.tensor(lens), 9, 3, 64, 16, isa="avx512")
+    shared = sorted(u for u in units if u[0] > 1)
+    # the four rows: one unit per KV head and part of their 1,280 shared keys (1,024 + 256)
+    assert shared == sorted((4, h, p, end) for h in range(3) for p, end in ((0, 1024), (1, 1280)))
+    # every other unit is one row's: the fifth row's one part, none for the four's second parts
+    # (their second part holds shared keys, so the shared unit goes on over each row's rest)
+    assert sorted(u for u in units if u[0] == 1) == [(1, h, 0, 0) for h in range(3)]
+    # more than kSharedRowsMax (8) rows: 8 share, the rest share a unit too (here 3)
+    _, _, _, tables, lens = _sharing_case([(40, [700] * 11)], 8, 1, 128, 16, seed=0)
+    units = cpu_lib.decode_units(tables, torch.tensor(lens), 8, 1, 128, 16, isa="avx512")
+    assert sorted(units) == [(3, 0, 0, 640), (8, 0, 0, 640)]
+    # fewer shared keys than kSharedKeysMin (64; here 3 blocks, 48 keys): every unit is one row's
+    _, _, _, tables, lens = _sharing_case([(3, [60, 900])], 9, 3, 64, 16, seed=0)
+    assert all(u[0] == 1 for u in cpu_lib.decode_units(tables, torch.tensor(lens), 9, 3, 64, 16, isa="avx512"))
+    # AVX2 never shares a unit
+    if cpu_lib.isa_supported("avx2"):
+        _, _, _, tables, lens = _sharing_case(groups, 9, 3, 64, 16, seed=0)
+        assert all(u[0] == 1 for u in cpu_lib.decode_units(tables, torch.tensor(lens), 9, 3, 64, 16, isa="avx2"))
