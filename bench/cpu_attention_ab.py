@@ -7,7 +7,8 @@ kernel change against its base on the same machine, in one script.
     python bench/cpu_attention_ab.py BASE.so NEW.so [--rounds 2]
 
 (the first build prints the base's library: run from the worktree, Python imports its package;
-the second, this checkout's).
+the second, this checkout's). When the two builds differ in their C ABI (`cpu_lib.ABI_VERSION`),
+add `--base-checkout /tmp/base`: the base's runs then import that checkout's `pdserve_kernels`.
 
 Each measurement is its own process (a process loads one library): 30 layers' calls of the
 default model's shapes (9 query heads, 3 KV heads, head_dim 64, blocks of 16), a context of
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -74,9 +76,12 @@ print(json.dumps(out))
 '''
 
 
-def measure(lib: Path, isa: str, blocks: int, threads: int) -> dict[str, float]:
+def measure(lib: Path, isa: str, blocks: int, threads: int, checkout: Path | None) -> dict[str, float]:
+    env = dict(os.environ, PYTHONPATH=str(checkout)) if checkout else None
     done = subprocess.run([sys.executable, "-c", _ONE, str(lib), isa, str(blocks), str(threads), json.dumps(CASES)],
-                          capture_output=True, text=True, check=True)
+                          capture_output=True, text=True, env=env, cwd=checkout)
+    if done.returncode:
+        raise SystemExit(f"{lib} ({isa}) failed:\n{done.stderr[-3000:]}")
     return json.loads(done.stdout)
 
 
@@ -86,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("new", type=Path)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--base-checkout", type=Path, help="import the base's pdserve_kernels from this checkout")
     p.add_argument("--out", type=Path, default=RESULTS / "cpu-attention-ab.json")
     args = p.parse_args(argv)
     from pdserve_kernels import cpu_lib
@@ -94,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     for isa in isas:
         for blocks in (2000, 400):
             for r in range(args.rounds):
-                for label, lib in (("base", args.base), ("new", args.new)):
-                    ms = measure(lib, isa, blocks, args.threads)
+                for label, lib, checkout in (("base", args.base, args.base_checkout), ("new", args.new, None)):
+                    ms = measure(lib, isa, blocks, args.threads, checkout)
                     runs.append({"isa": isa, "blocks": blocks, "round": r, "build": label, "ms": ms})
                     print(f"{isa} {blocks} blocks, round {r + 1}, {label}: "
                           + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()), flush=True)
