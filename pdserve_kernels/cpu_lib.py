@@ -188,7 +188,7 @@ def _library() -> tuple[ctypes.CDLL | None, Availability]:
     lib.pds_cpu_round_int16.restype = _I
     lib.pds_cpu_round_int16.argtypes = [_P, _I64, _I64, _P]
     lib.pds_cpu_decode_units.restype = _I64
-    lib.pds_cpu_decode_units.argtypes = [_P, _I64, _P, *[_I64] * 5, _I, _P, _I64]
+    lib.pds_cpu_decode_units.argtypes = [_P, _I64, _P, *[_I64] * 5, _I, _I, _P, _I64]
     if lib.pds_cpu_abi_version() != ABI_VERSION:
         return None, Availability(False, f"{path}: ABI {lib.pds_cpu_abi_version()}, need {ABI_VERSION}")
     isa = lib.pds_cpu_isa(0)
@@ -287,17 +287,20 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def decode_units(block_tables: torch.Tensor, lens: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
-                 block_size: int, isa: str | None = None) -> list[tuple[int, int, int, int]]:
-    """How `paged_decode_attention` cuts these rows into units of work (csrc/cpu/decode_split.h):
-    per unit (rows in it, KV head, part of the keys, keys its rows share). Rows whose first blocks
-    are the same share a unit for those keys (AVX-512); every other unit is one row's."""
+                 block_size: int, isa: str | None = None, threads: int | None = None
+                 ) -> list[tuple[int, int, int, int]]:
+    """How `paged_decode_attention` on `threads` threads cuts these rows into units of work
+    (csrc/cpu/decode_split.h): per unit (rows in it, KV head, part of the keys, keys its rows
+    share). Rows whose first blocks are the same share a unit for those keys (AVX-512), in as few
+    units as leave about two per thread; every other unit is one row's."""
     lib = _loaded()
     tables = block_tables.to(torch.int64).contiguous()
     lens = lens.to(torch.int64).contiguous()
     room = int(tables.shape[0]) * kv_heads * int(max(1, -(-int(lens.max()) // 1024))) if lens.numel() else 0
     out = torch.empty(max(room, 1), 4, dtype=torch.int64)
     n = lib.pds_cpu_decode_units(tables.data_ptr(), tables.stride(0), lens.data_ptr(), lens.numel(), heads,
-                                 kv_heads, head_dim, block_size, ISAS[isa or default_isa()], out.data_ptr(), room)
+                                 kv_heads, head_dim, block_size, ISAS[isa or default_isa()], threads or num_threads(),
+                                 out.data_ptr(), room)
     if n < 0:
         raise RuntimeError("pds_cpu_decode_units: " + ("instruction set unavailable" if n == -1 else "bad arguments"))
     return [tuple(int(x) for x in row) for row in out[:n].tolist()]

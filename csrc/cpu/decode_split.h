@@ -22,9 +22,9 @@ class DecodeSplit {
   // Sequences b < B of a call whose context lengths are `a.lens`; `is_row(b)`: whether b is a
   // decode row (an extend call also holds prompt chunks, which have no units here). `share`:
   // rows that share their first blocks may share units (the caller runs AVX-512 on a shape
-  // decode_avx512_covers).
+  // decode_avx512_covers); `threads`: how many threads will run the units.
   template <class IsRow>
-  DecodeSplit(const DecodeAttention& a, int64_t B, const IsRow& is_row, bool share)
+  DecodeSplit(const DecodeAttention& a, int64_t B, const IsRow& is_row, bool share, int64_t threads)
       : lens_(a.lens), kv_heads_(a.kv_heads), stride_(decode_state_floats(a)), first_state_(B, -1),
         first_counter_(B, -1) {
     int64_t states = 0, counters = 0;
@@ -35,7 +35,7 @@ class DecodeSplit {
       states += kv_heads_ * decode_parts(lens_[b]);
       counters += kv_heads_;
     }
-    plan_units(a, B, is_row, share);
+    plan_units(a, B, is_row, share, threads);
     if (states == 0) return;
     // the calling thread's buffers, kept between calls: a step calls this once a layer
     thread_local std::vector<float> state_buffer;
@@ -101,11 +101,13 @@ class DecodeSplit {
       for (int64_t p = from_part; p < decode_parts(lens_[b]); ++p) units_.push_back({first, 1, h, p, 0});
   }
 
-  // Rows that share their first block are taken kSharedRowsMax at a time, in row order; such a
-  // set shares units for the parts that hold the keys all of them share (whole blocks), and
-  // each row has its own units for the parts after those. Every other row has its own units.
+  // Rows that share their first block are split, in row order, into as few sets of at most
+  // kSharedRowsMax as leave about two units per thread (sharing saves loads but makes fewer,
+  // larger units; a row's bits are the same either way). A set shares units for the parts that
+  // hold the keys all of its rows share (whole blocks), and each row has its own units for the
+  // parts after those. Every other row has its own units.
   template <class IsRow>
-  void plan_units(const DecodeAttention& a, int64_t B, const IsRow& is_row, bool share) {
+  void plan_units(const DecodeAttention& a, int64_t B, const IsRow& is_row, bool share, int64_t threads) {
     std::vector<std::vector<int64_t>> sets;
     if (share) {
       std::unordered_map<int64_t, size_t> set_of;  // first block -> set
@@ -118,35 +120,43 @@ class DecodeSplit {
     }
     std::vector<bool> placed(B, false);
     for (const std::vector<int64_t>& set : sets) {
-      for (size_t i = 0; i + 1 < set.size(); i += kSharedRowsMax) {
-        const size_t n = std::min(set.size() - i, static_cast<size_t>(kSharedRowsMax));
-        const int64_t* t0 = a.tables + set[i] * a.table_stride;
-        int64_t full = lens_[set[i]] / a.block_size;  // blocks every row holds whole
-        for (size_t r = 1; r < n; ++r) full = std::min(full, lens_[set[i + r]] / a.block_size);
-        int64_t same = 0;  // leading blocks every row's table names alike
-        while (same < full) {
-          size_t r = 1;
-          while (r < n && a.tables[set[i + r] * a.table_stride + same] == t0[same]) ++r;
-          if (r < n) break;
-          ++same;
-        }
-        const int64_t shared = same * a.block_size;
-        if (shared < kSharedKeysMin) continue;
-        const int64_t first = static_cast<int64_t>(members_.size());
-        members_.insert(members_.end(), set.begin() + i, set.begin() + i + n);
-        const int64_t shared_parts = decode_parts(shared);
-        for (int64_t h = 0; h < kv_heads_; ++h)
-          for (int64_t p = 0; p < shared_parts; ++p)
-            units_.push_back({first, static_cast<int64_t>(n), h, p,
-                              std::min(shared, (p + 1) * kDecodeKeysPerPart)});
-        for (size_t r = 0; r < n; ++r) {
-          placed[set[i + r]] = true;
-          add_row_units(set[i + r], shared_parts);
-        }
+      const int64_t rows = static_cast<int64_t>(set.size());
+      int64_t shortest = lens_[set[0]];
+      for (int64_t b : set) shortest = std::min(shortest, lens_[b]);
+      const int64_t units_each = kv_heads_ * decode_parts(shortest);  // at most, per shared set
+      const int64_t splits = std::min(rows, std::max((rows + kSharedRowsMax - 1) / kSharedRowsMax,
+                                                     (2 * threads + units_each - 1) / units_each));
+      for (int64_t s = 0; s < splits; ++s) {
+        const int64_t begin = s * rows / splits, n = (s + 1) * rows / splits - begin;
+        if (n > 1) share_units(a, set.data() + begin, n, placed);
       }
     }
     for (int64_t b = 0; b < B; ++b)
       if (is_row(b) && !placed[b]) add_row_units(b, 0);
+  }
+
+  // Units for rows[0, n) over the whole blocks they all hold alike, if those are enough keys.
+  void share_units(const DecodeAttention& a, const int64_t* rows, int64_t n, std::vector<bool>& placed) {
+    const int64_t* first_table = a.tables + rows[0] * a.table_stride;
+    int64_t full = lens_[rows[0]] / a.block_size;  // blocks every row holds whole
+    for (int64_t r = 1; r < n; ++r) full = std::min(full, lens_[rows[r]] / a.block_size);
+    int64_t same = 0;  // leading blocks every row's table names alike
+    for (; same < full; ++same) {
+      int64_t r = 1;
+      while (r < n && a.tables[rows[r] * a.table_stride + same] == first_table[same]) ++r;
+      if (r < n) break;
+    }
+    const int64_t shared = same * a.block_size;
+    if (shared < kSharedKeysMin) return;
+    const int64_t first = static_cast<int64_t>(members_.size()), shared_parts = decode_parts(shared);
+    members_.insert(members_.end(), rows, rows + n);
+    for (int64_t h = 0; h < kv_heads_; ++h)
+      for (int64_t p = 0; p < shared_parts; ++p)
+        units_.push_back({first, n, h, p, std::min(shared, (p + 1) * kDecodeKeysPerPart)});
+    for (int64_t r = 0; r < n; ++r) {
+      placed[rows[r]] = true;
+      add_row_units(rows[r], shared_parts);
+    }
   }
 
   const int64_t* lens_;

@@ -203,7 +203,7 @@ __attribute__((visibility("default"))) int pds_cpu_paged_decode_attention(
   const DecodeAttention a{q, q_stride, k_cache, v_cache, kv_half != 0, tables, table_stride, lens, out,
                           heads, kv_heads, head_dim, block_size, scale};
   const bool wide = k == &kAvx512, share = wide && decode_avx512_covers(a);
-  DecodeSplit split(a, B, [](int64_t) { return true; }, share);
+  DecodeSplit split(a, B, [](int64_t) { return true; }, share, threads);
   const int64_t scratch_floats = std::max(decode_attention_scratch(a), share ? decode_rows_scratch(a) : 0);
   const auto row = [&](int64_t b) {  // row b as a batch of one
     DecodeAttention d = a;
@@ -221,18 +221,19 @@ __attribute__((visibility("default"))) int pds_cpu_paged_decode_attention(
   return 0;
 }
 
-// How a decode call of these rows is cut into units (decode_split.h), for tests: per unit, its
-// number of rows, KV head, part and shared keys, 4 int64 into `out` (room for `max_units`).
+// How a decode call of these rows on `threads` threads is cut into units (decode_split.h), for
+// tests: per unit, its number of rows, KV head, part and shared keys, 4 int64 into `out` (room
+// for `max_units`).
 // Returns the number of units, -1 when the instruction set is unavailable, -2 for bad arguments.
 __attribute__((visibility("default"))) int64_t pds_cpu_decode_units(
     const int64_t* tables, int64_t table_stride, const int64_t* lens, int64_t B, int64_t heads, int64_t kv_heads,
-    int64_t head_dim, int64_t block_size, int isa, int64_t* out, int64_t max_units) {
+    int64_t head_dim, int64_t block_size, int isa, int threads, int64_t* out, int64_t max_units) {
   const Kernels* k = pick(isa);
   if (k == nullptr) return -1;
   if (B < 0 || kv_heads <= 0 || heads % kv_heads || head_dim <= 0 || block_size <= 0) return -2;
   const DecodeAttention a{nullptr, 0, nullptr, nullptr, false, tables, table_stride, lens, nullptr,
                           heads, kv_heads, head_dim, block_size, 1.0f};
-  DecodeSplit split(a, B, [](int64_t) { return true; }, k == &kAvx512 && decode_avx512_covers(a));
+  DecodeSplit split(a, B, [](int64_t) { return true; }, k == &kAvx512 && decode_avx512_covers(a), threads);
   for (int64_t u = 0; u < std::min(split.units(), max_units); ++u) {
     const DecodeSplit::Unit& w = split.unit(u);
     const int64_t row[4] = {w.count, w.kvh, w.part, w.shared};

@@ -42,7 +42,7 @@ __attribute__((visibility("default"))) int pds_cpu_paged_extend_attention(
                             heads, kv_heads, head_dim, block_size, scale};
   const bool wide = k == &kAvx512;
   const bool share = wide && decode_avx512_covers(one);
-  DecodeSplit split(one, B, is_row, share);
+  DecodeSplit split(one, B, is_row, share, threads);
   const auto row = [&](int64_t b) {  // decode row b as a batch of one: its q row is starts[b]
     DecodeAttention d = one;
     d.q = q + starts[b] * q_stride;

@@ -221,21 +221,24 @@ def test_rows_that_share_blocks_share_units_on_avx512():
     """The plan behind the test above: which rows share a unit, over which keys."""
     groups = [(80, [1350, 1350, 1400, 1290]), (0, [700])]  # 80 blocks of 16: 1,280 keys
     _, _, _, tables, lens = _sharing_case(groups, 9, 3, 64, 16, seed=0)
-    units = cpu_lib.decode_units(tables, torch.tensor(lens), 9, 3, 64, 16, isa="avx512")
-    shared = sorted(u for u in units if u[0] > 1)
-    # the four rows: one unit per KV head and part of their 1,280 shared keys (1,024 + 256)
-    assert shared == sorted((4, h, p, end) for h in range(3) for p, end in ((0, 1024), (1, 1280)))
-    # every other unit is one row's: the fifth row's one part, none for the four's second parts
-    # (their second part holds shared keys, so the shared unit goes on over each row's rest)
-    assert sorted(u for u in units if u[0] == 1) == [(1, h, 0, 0) for h in range(3)]
-    # more than kSharedRowsMax (8) rows: 8 share, the rest share a unit too (here 3)
+    units = cpu_lib.decode_units(tables, torch.tensor(lens), 9, 3, 64, 16, isa="avx512", threads=2)
+    # the four rows: one unit per KV head and part of their 1,280 shared keys (1,024 + 256); the
+    # second part's goes on over each row's own keys, so those rows have no unit of their own
+    assert sorted(u for u in units if u[0] > 1) == sorted((4, h, p, end) for h in range(3)
+                                                          for p, end in ((0, 1024), (1, 1280)))
+    assert sorted(u for u in units if u[0] == 1) == [(1, h, 0, 0) for h in range(3)]  # the fifth row's
+    # on 16 threads, sharing would leave threads idle: every unit is one row's
+    units = cpu_lib.decode_units(tables, torch.tensor(lens), 9, 3, 64, 16, isa="avx512", threads=16)
+    assert len(units) == 5 * 3 + 4 * 3 and all(u[0] == 1 for u in units)  # two parts for the four
+    # 11 rows: at most kSharedRowsMax (8) in a unit, and about two units per thread
     _, _, _, tables, lens = _sharing_case([(40, [700] * 11)], 8, 1, 128, 16, seed=0)
-    units = cpu_lib.decode_units(tables, torch.tensor(lens), 8, 1, 128, 16, isa="avx512")
-    assert sorted(units) == [(3, 0, 0, 640), (8, 0, 0, 640)]
+    one = cpu_lib.decode_units(tables, torch.tensor(lens), 8, 1, 128, 16, isa="avx512", threads=1)
+    assert sorted(one) == [(5, 0, 0, 640), (6, 0, 0, 640)]
+    two = cpu_lib.decode_units(tables, torch.tensor(lens), 8, 1, 128, 16, isa="avx512", threads=2)
+    assert sorted(two) == [(2, 0, 0, 640), (3, 0, 0, 640), (3, 0, 0, 640), (3, 0, 0, 640)]
     # fewer shared keys than kSharedKeysMin (64; here 3 blocks, 48 keys): every unit is one row's
     _, _, _, tables, lens = _sharing_case([(3, [60, 900])], 9, 3, 64, 16, seed=0)
     assert all(u[0] == 1 for u in cpu_lib.decode_units(tables, torch.tensor(lens), 9, 3, 64, 16, isa="avx512"))
-    # AVX2 never shares a unit
-    if cpu_lib.isa_supported("avx2"):
-        _, _, _, tables, lens = _sharing_case(groups, 9, 3, 64, 16, seed=0)
-        assert all(u[0] == 1 for u in cpu_lib.decode_units(tables, torch.tensor(lens), 9, 3, 64, 16, isa="avx2"))
+    # AVX2 never shares a unit (measured: no faster there, docs/cpu-attention.md)
+    _, _, _, tables, lens = _sharing_case(groups, 9, 3, 64, 16, seed=0)
+    assert all(u[0] == 1 for u in cpu_lib.decode_units(tables, torch.tensor(lens), 9, 3, 64, 16, isa="avx2"))
