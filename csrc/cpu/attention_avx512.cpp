@@ -6,7 +6,8 @@
 // Here the group's accumulators live in registers (G x head_dim / 16 zmm), a value row is loaded
 // once and feeds G x head_dim / 16 FMAs with the probability broadcast from memory, and a score
 // is head_dim / 16 FMAs and one 512-bit reduction. Same online softmax, per chunk of up to 16 keys
-// of one block.
+// of one block. Rows that share their first blocks may run as one unit (decode_rows): each row's
+// state is parked in scratch between chunks, so the shared chunks are loaded once for all.
 #include <immintrin.h>
 
 #include <algorithm>
