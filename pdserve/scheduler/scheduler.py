@@ -21,6 +21,9 @@ equals), so a preemption takes the newest of the largest priority, never one of 
 priority than the request that needs the blocks. A waiting request that finds no running slot
 or no blocks preempts running ones of a larger priority, where that lets it start
 (`_displace`, vLLM's and SGLang's priority preemption); with one priority nothing changes.
+A decode worker's rooms join the running ones as their KV lands, past `max_num_seqs` too (their
+blocks are taken already); a step runs only the first `max_num_seqs` of them in that order, so
+the rest wait for a slot with their KV.
 
 Step budget (`_Budget`, docs/step-budget.md): a step computes at most
 `max_num_batched_tokens` tokens; if any request samples in it (a decode, or a prompt's last
@@ -373,10 +376,12 @@ class Scheduler:
         batch: list[ScheduledChunk] = []
         preempted = self._displace(running, waiting, books)
         displaced = len(preempted)
+        # at most max_num_seqs run (more only where a decode worker's rooms landed: module docstring)
         budget = _Budget(cfg.max_num_batched_tokens, cfg.max_prefill_tokens,
-                         samples=any(s.num_pending == 1 for s in running), slack=cfg.first_token_slack)
+                         samples=any(s.num_pending == 1 for s in running[:cfg.max_num_seqs]),
+                         slack=cfg.first_token_slack)
         scheduled: set[str] = set()
-        while running and budget.tokens > 0:
+        while running and budget.tokens > 0 and len(scheduled) < cfg.max_num_seqs:
             slot = next((s for s in running if s.request_id not in scheduled), None)
             if slot is None:
                 break
@@ -703,6 +708,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.seqs or self.held)
+
+    def load(self) -> tuple[int, int]:
+        """(running, waiting) as reported: a decode worker's landed rooms past `max_num_seqs`
+        wait for a slot (`_schedule`) with the waiting queue."""
+        running = min(len(self.running), self.config.max_num_seqs)
+        return running, len(self.running) - running + len(self.waiting)
 
 
 def _certain_end(seq: Sequence, num_outputs: int) -> bool:

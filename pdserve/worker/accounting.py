@@ -51,8 +51,8 @@ class Accounting:
 
     def load(self, scheduler) -> None:
         a = scheduler.allocator
-        self.metrics.set_load(running=len(scheduler.running),
-                              waiting=len(scheduler.waiting) + len(scheduler.held),
+        running, waiting = scheduler.load()
+        self.metrics.set_load(running=running, waiting=waiting + len(scheduler.held),
                               used_blocks=a.num_used, total_blocks=a.num_blocks)
         host = a.host
         self.metrics.cache_tiers(device_cached=a.num_cached, host_used=host.num_cached if host else 0,

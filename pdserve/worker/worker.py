@@ -302,7 +302,8 @@ class Worker:
 
     def load(self) -> dict:
         s = self.engine.scheduler
-        return {"waiting": len(s.waiting), "running": len(s.running), "transferring": len(s.held),
+        running, waiting = s.load()
+        return {"waiting": waiting, "running": running, "transferring": len(s.held),
                 "free_blocks": s.allocator.num_free, "total_blocks": s.allocator.num_blocks,
                 "in_flight": len(self._queues),
                 "rooms_live": self.accounting.transfer.get("rooms_live", 0),

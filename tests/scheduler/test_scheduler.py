@@ -177,11 +177,12 @@ def test_preemption_takes_the_newest_of_the_largest_priority(prioritized):
     assert preempted and set(preempted) == {"older" if prioritized else "newer"}
 
 
-def steps_until(s: Scheduler, *inboxes: Inbox) -> tuple[list[tuple[list[str], list[str]]], list[SampledToken]]:
-    """Apply one plan per inbox; each step's (request ids in its batch, preempted), and the
-    last step's tokens (for `run_to_end`)."""
-    seen, sampled = [], []
-    for step, inbox in enumerate(inboxes):
+def steps_until(s: Scheduler, *inboxes: Inbox, sampled: list[SampledToken] | None = None,
+                first_step: int = 0) -> tuple[list[tuple[list[str], list[str]]], list[SampledToken]]:
+    """Apply one plan per inbox (`sampled`: the tokens of a step before); each step's (request
+    ids in its batch, preempted), and the last step's tokens (for `run_to_end`)."""
+    seen, sampled = [], sampled or []
+    for step, inbox in enumerate(inboxes, first_step):
         plan = s.plan(step, inbox, sampled)
         seen.append(([c.request_id for c in plan.batch], list(plan.preempted)))
         _, batch = s.apply(plan)
@@ -245,3 +246,52 @@ def test_the_newest_of_the_largest_priority_goes_first_and_a_burst_preempts_at_o
     assert seen[2] == (["mid", "h1", "h2"], ["l-new", "l-old"])
     started, preempted = run_to_end(s, sampled=sampled)
     assert s.allocator.num_used == 0
+
+
+
+
+def land(s: Scheduler, rooms: list[NewRequest], step: int, sampled: list[SampledToken] | None = None
+         ) -> tuple[list[str], list[SampledToken]]:
+    """Admit decode rooms in `step` (their blocks taken; `sampled`: the step before's tokens),
+    then report their KV landed, each with its first token, in the next step; that step's batch
+    and its tokens."""
+    _, sampled = steps_until(s, Inbox(new=rooms), sampled=sampled, first_step=step)
+    arrived = [TransferOutcome(r.request_id, TransferKind.ARRIVED, SampledToken(r.request_id, 7)) for r in rooms]
+    plan = s.plan(step + 1, Inbox(), sampled, arrived)
+    _, batch = s.apply(plan)
+    s.allocator.check_integrity()
+    return ([c.request_id for c in plan.batch],
+            [SampledToken(q.request_id, 5) for q, start, n in batch if start + n == q.num_tokens])
+
+
+def room(rid: str, priority: int = 0, max_tokens: int = 6) -> NewRequest:
+    return NewRequest(rid, list(range(10, 15)), SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                                priority=priority),
+                      kv=KVRole.DECODE, peer=KVPeer("p"))
+
+
+def test_a_decode_worker_runs_at_most_max_num_seqs_landed_rooms():
+    """Rooms whose KV landed past `max_num_seqs` keep it and wait for a slot: each step decodes
+    the first two, in landing order; a room starts when one ends, and is reported waiting until
+    then. Every block comes back."""
+    s = make(num_blocks=32, budget=32, max_seqs=2)
+    batch, sampled = land(s, [room("a", max_tokens=3), room("b"), room("c"), room("d")], 0)
+    assert batch == ["a", "b"]
+    assert s.load() == (2, 2)
+    assert s.allocator.num_used == 8  # every landed room keeps its KV
+    seen, sampled = steps_until(s, Inbox(), Inbox(), sampled=sampled, first_step=2)
+    assert [batch for batch, _ in seen] == [["a", "b"], ["b", "c"]]  # "a" ended on its third token
+    started, preempted = run_to_end(s, sampled=sampled)
+    assert started == ["b", "c", "d"] and preempted == []
+    assert s.allocator.num_used == 0 and s.load() == (0, 0)
+
+
+def test_a_landed_room_of_a_smaller_priority_takes_a_decode_slot_first():
+    """Past the bound, the running order is the priority order: a room of priority -1 that
+    lands later decodes in the next step, and the newest room of priority 0 waits instead,
+    keeping its KV (paused, not preempted)."""
+    s = make(num_blocks=32, budget=32, max_seqs=2)
+    _, sampled = land(s, [room("old", max_tokens=20), room("new", max_tokens=20)], 0)
+    batch, _ = land(s, [room("urgent", priority=-1)], 2, sampled)
+    assert batch == ["urgent", "old"]
+    assert s.load() == (2, 1) and s.num_preemptions == 0
