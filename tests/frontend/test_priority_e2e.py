@@ -6,9 +6,9 @@ of priority -1 then passes the full router and takes the running one's place at 
 first, the worker counts one preemption, and the preempted request, recomputed, answers as it
 does alone.
 
-PD: two requests of priority 5 stream from the decode worker (its rooms are not bounded by
-`--max-num-seqs`). A request of priority -1 passes the full router at once, is decoded beside
-them and ends first; nothing is preempted."""
+PD: two requests of priority 5 get their first tokens; the decode worker decodes one and keeps
+the other's KV waiting for its one slot. A request of priority -1 passes the full router at once,
+takes the slot when its KV lands and ends first; nothing is preempted."""
 from __future__ import annotations
 
 import asyncio
@@ -48,9 +48,11 @@ def worker_metric(srv: Server, name: str, role: str = "both") -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name))
 
 
-async def streamed(http: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None) -> str:
-    """A streamed chat answer's content; `started` is set at its first piece."""
-    parts = []
+async def streamed(http: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None,
+                   parts: list[str] | None = None) -> str:
+    """A streamed chat answer's content; `started` is set at its first piece; `parts` (if
+    given) receives the pieces as they come."""
+    parts = [] if parts is None else parts
     async with http.stream("POST", CHAT, json={**body, "stream": True}) as r:
         assert r.status_code == 200, await r.aread()
         async for line in r.aiter_lines():
@@ -98,20 +100,30 @@ def test_a_smaller_priority_passes_the_full_router_and_preempts_the_running_requ
         assert got == expected or chat_near_tie(default_model_dir, tokenizer, LONG["messages"], got, expected)
 
 
-def test_in_pd_a_smaller_priority_passes_the_full_router_and_is_decoded_beside_the_others(pd):
+def test_in_pd_a_smaller_priority_passes_the_full_router_and_takes_the_decode_slot(pd):
     roles = ("prefill", "decode")
     before = {role: worker_metric(pd, "pdserve:num_preemptions_total", role) for role in roles}
 
     async def scenario() -> list[str]:
         ended: list[str] = []
         async with httpx.AsyncClient(base_url=pd.url, timeout=300) as http:
-            async def ask(name: str, body: dict, started: asyncio.Event | None = None) -> None:
-                await streamed(http, body, started)
+            async def ask(name: str, body: dict, started: asyncio.Event | None = None,
+                          parts: list[str] | None = None) -> None:
+                await streamed(http, body, started, parts)
                 ended.append(name)
 
             started = {name: asyncio.Event() for name in ("low-1", "low-2")}
-            tasks = [asyncio.create_task(ask(name, LONG, started[name])) for name in started]
+            parts: dict[str, list[str]] = {name: [] for name in started}
+            tasks = [asyncio.create_task(ask(name, LONG, started[name], parts[name])) for name in started]
             await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 120)
+            # both rooms' KV landed with their first tokens; one decodes, the other keeps its KV
+            # and waits for the slot: its stream stays at its first piece
+            while max(len(p) for p in parts.values()) < 24:
+                assert not any(t.done() for t in tasks)
+                await asyncio.sleep(0.02)  # waits on the running stream's pieces
+            assert min(len(p) for p in parts.values()) == 1
+            assert worker_metric(pd, "pdserve:num_requests_running", "decode") == 1
+            assert worker_metric(pd, "pdserve:num_requests_waiting", "decode") == 1
             await ask("high", {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
                                "temperature": 0, "ignore_eos": True, "priority": -1})
             await asyncio.wait_for(asyncio.gather(*tasks), 300)
