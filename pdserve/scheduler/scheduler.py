@@ -21,6 +21,8 @@ equals), so a preemption takes the newest of the largest priority, never one of 
 priority than the request that needs the blocks. A waiting request that finds no running slot
 or no blocks preempts running ones of a larger priority, where that lets it start
 (`_displace`, vLLM's and SGLang's priority preemption); with one priority nothing changes.
+A decode room that finds too few free blocks for its KV preempts running requests of a larger
+priority the same way (`_room_victims`), or waits.
 A decode worker's rooms join the running ones as their KV lands, past `max_num_seqs` too (their
 blocks are taken already); a step runs only the first `max_num_seqs` of them in that order, so
 the rest wait for a slot with their KV.
@@ -209,9 +211,9 @@ class Scheduler:
         self._end_sampled(ends, sampled)
         self._end_transfers(ends, transfers)
         plan.aborted = self._end_aborted(ends, inbox.aborts)
-        self._admit(plan, inbox, ends.books)
+        for_rooms = self._admit(plan, inbox, ends)
         plan.batch, plan.preempted = self._schedule(ends.gone, sampled, ends.arrived, plan.admitted,
-                                                    ends.books)
+                                                    ends.books, for_rooms)
         return plan
 
     def _end_sampled(self, ends: _Ends, sampled: list[SampledToken]) -> None:
@@ -263,10 +265,12 @@ class Scheduler:
             ends.gone.add(rid)
         return out
 
-    def _admit(self, plan: StepPlan, inbox: Inbox, books: _Books) -> None:
-        """Admit, reject or defer the new requests (a decode room takes its blocks now)."""
+    def _admit(self, plan: StepPlan, inbox: Inbox, ends: _Ends) -> list[str]:
+        """Admit, reject or defer the new requests (a decode room takes its blocks now, from
+        running requests of a larger priority where it must: their ids, to preempt)."""
         seen = set(self.seqs)
         aborted_now = dict(inbox.aborts)
+        books, victims = ends.books, []
         for req in inbox.new:
             error = self._admission_error(req, seen)
             if error:
@@ -276,9 +280,13 @@ class Scheduler:
             elif req.kv is KVRole.DECODE:
                 hit = self._room_hit(req)
                 need = self._blocks_for(len(req.prompt_ids)) - len(hit)
-                if need + books.take_cost(hit) > books.free:
+                mine = self._room_victims(req.params.priority, need, hit, books, ends.gone | set(victims))
+                if mine is None:
                     plan.deferred.append(req)
                     continue
+                for seq in mine:
+                    books.release(seq.block_table)
+                    victims.append(seq.request_id)
                 books.take(hit)
                 books.free -= need
                 if hit:
@@ -287,6 +295,26 @@ class Scheduler:
             else:
                 plan.admitted.append(req)
             seen.add(req.request_id)
+        return victims
+
+    def _room_victims(self, priority: int, need: int, hit: list[int], books: _Books, gone: set[str]
+                      ) -> list[Sequence] | None:
+        """What a decode room of `priority` that needs `need` new blocks and the cached `hit`
+        preempts: running requests of a larger priority, the newest of the largest first (as
+        `_displace` takes them), only as many as let it fit; [] when it fits, None when it
+        cannot (then it waits, and nothing is preempted for it)."""
+        if need + books.take_cost(hit) <= books.free:
+            return []
+        trial = books.trial()
+        running = sorted((seq for seq in self.running if seq.request_id not in gone),
+                         key=lambda seq: seq.params.priority)
+        mine = []
+        while running and running[-1].params.priority > priority:
+            mine.append(running.pop())
+            trial.release(mine[-1].block_table)
+            if need + trial.take_cost(hit) <= trial.free:
+                return mine
+        return None
 
     def _admission_error(self, req: NewRequest, seen: set[str]) -> str | None:
         if req.request_id in seen:
@@ -350,13 +378,17 @@ class Scheduler:
         return hit, cached
 
     def _schedule(self, gone: set[str], sampled: list[SampledToken], arrived: list[SampledToken],
-                  admitted: list[NewRequest], books: _Books) -> tuple[list[ScheduledChunk], list[str]]:
+                  admitted: list[NewRequest], books: _Books, for_rooms: list[str]
+                  ) -> tuple[list[ScheduledChunk], list[str]]:
+        """The step's batch, and the running requests it preempts: `for_rooms` (their blocks
+        released already, taken by decode rooms), then by priority, then for want of blocks."""
         cfg = self.config
         grown = {s.request_id for s in sampled}
+        out = gone | set(for_rooms)
         running: list[_Slot] = [
             _Slot(seq, seq.request_id, seq.num_computed, self._pending(seq, grown), seq.block_table,
                   priority=seq.params.priority)
-            for seq in self.running if seq.request_id not in gone]
+            for seq in self.running if seq.request_id not in out]
         for tok in arrived:  # decode rooms whose KV landed: the prompt is cached, one token pending
             seq = self.held[tok.request_id]
             running.append(_Slot(seq, seq.request_id, len(seq.prompt_ids), 1, seq.block_table,
@@ -374,7 +406,7 @@ class Scheduler:
         waiting.sort(key=lambda s: s.priority)
 
         batch: list[ScheduledChunk] = []
-        preempted = self._displace(running, waiting, books)
+        preempted = for_rooms + self._displace(running, waiting, books)
         displaced = len(preempted)
         # at most max_num_seqs run (more only where a decode worker's rooms landed: module docstring)
         budget = _Budget(cfg.max_num_batched_tokens, cfg.max_prefill_tokens,

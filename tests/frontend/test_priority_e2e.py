@@ -6,6 +6,11 @@ of priority -1 then passes the full router and takes the running one's place at 
 first, the worker counts one preemption, and the preempted request, recomputed, answers as it
 does alone.
 
+PD, a small decode pool: two long prompts of priority 5 hold most of the decode worker's
+blocks; a room of priority -1 that needs more than are free preempts one of them there in the
+step it arrives (without it, the room waits for one to end and nothing is preempted), and the
+preempted one, recomputed on the decode worker, answers as it does alone.
+
 PD: two requests of priority 5 get their first tokens; the decode worker decodes one and keeps
 the other's KV waiting for its one slot. A request of priority -1 passes the full router at once,
 takes the slot when its KV lands and ends first; nothing is preempted."""
@@ -38,6 +43,13 @@ def server() -> Iterator[Server]:
 @pytest.fixture(scope="module")
 def pd() -> Iterator[Server]:
     srv = start_server("--mode", "pd", "--max-num-seqs", "1", "--scheduling-policy", "priority")
+    yield srv
+    stop_server(srv.proc)
+
+
+@pytest.fixture(scope="module")
+def pd_small() -> Iterator[Server]:
+    srv = start_server("--mode", "pd", "--kv-cache-memory", "64MiB", "--scheduling-policy", "priority")
     yield srv
     stop_server(srv.proc)
 
@@ -132,3 +144,47 @@ def test_in_pd_a_smaller_priority_passes_the_full_router_and_takes_the_decode_sl
     ended = asyncio.run(scenario())
     assert ended[0] == "high" and sorted(ended[1:]) == ["low-1", "low-2"]
     assert {role: worker_metric(pd, "pdserve:num_preemptions_total", role) for role in roles} == before
+
+
+def test_in_pd_a_smaller_priority_takes_the_decode_blocks_of_a_running_larger_one(
+        pd_small, default_model_dir, tokenizer):
+    def chat(text: str, max_tokens: int, priority: int) -> dict:
+        return {"messages": [{"role": "user", "content": text}], "max_tokens": max_tokens, "temperature": 0,
+                "ignore_eos": True, "priority": priority}
+
+    # two prompts of ≈ 37 blocks each (distinct: shared blocks would not come back when one is preempted)
+    longs = {"low-1": chat("Summarize: " + "The quick brown fox jumps over the lazy dog. " * 52, 40, 5),
+             "low-2": chat("Summarize: " + "Pack my box with five dozen liquor jugs, said the cook. " * 45, 40, 5)}
+    high = chat("Translate: " + "A bird in the hand is worth two in the bush. " * 30, 8, -1)
+    expected = {name: httpx.post(pd_small.url + CHAT, json=body, timeout=300).json()["choices"][0]["message"]["content"]
+                for name, body in longs.items()}
+    high_blocks = -(-httpx.post(pd_small.url + "/tokenize", json={"messages": high["messages"]}).json()["count"] // 16)
+    decode = pd_small.workers()["decode"]
+    before = {role: worker_metric(pd_small, "pdserve:num_preemptions_total", role) for role in ("prefill", "decode")}
+
+    async def scenario() -> tuple[list[str], dict[str, str], int]:
+        ended: list[str] = []
+        texts: dict[str, str] = {}
+        async with httpx.AsyncClient(base_url=pd_small.url, timeout=300) as http:
+            async def ask(name: str, body: dict, started: asyncio.Event | None = None) -> None:
+                texts[name] = await streamed(http, body, started)
+                ended.append(name)
+
+            started = {name: asyncio.Event() for name in ("low-1", "low-2")}
+            tasks = [asyncio.create_task(ask(name, longs[name], started[name])) for name in started]
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 120)
+            free = (await http.get(decode + "/load")).json()["free_blocks"]  # both rooms landed
+            await ask("high", high)
+            assert not all(t.done() for t in tasks), "both long answers ended before the high-priority one"
+            await asyncio.wait_for(asyncio.gather(*tasks), 300)
+        return ended, texts, free
+
+    ended, texts, free = asyncio.run(scenario())
+    assert free < high_blocks  # the premise: the room does not fit the decode worker's free blocks
+    assert sorted(ended) == ["high", "low-1", "low-2"]
+    after = {role: worker_metric(pd_small, "pdserve:num_preemptions_total", role) for role in ("prefill", "decode")}
+    assert after["decode"] - before["decode"] == 1 and after["prefill"] == before["prefill"]
+    for name, body in longs.items():  # the preempted one recomputed on the decode worker: its answer, bar a near-tie
+        got = texts[name]
+        assert got == expected[name] or chat_near_tie(default_model_dir, tokenizer, body["messages"], got,
+                                                      expected[name])

@@ -295,3 +295,26 @@ def test_a_landed_room_of_a_smaller_priority_takes_a_decode_slot_first():
     batch, _ = land(s, [room("urgent", priority=-1)], 2, sampled)
     assert batch == ["urgent", "old"]
     assert s.load() == (2, 1) and s.num_preemptions == 0
+
+
+def test_a_decode_room_of_a_smaller_priority_takes_the_blocks_of_running_larger_ones():
+    """A room that finds too few free blocks preempts running requests of a larger priority, the
+    newest of the largest first, in the step it arrives, and only as many as let it fit; a room
+    of an equal priority, or one that would not fit even with every larger one gone (seven
+    blocks, where the two of priority 5 free four), waits and preempts nothing."""
+    s = make(num_blocks=8, budget=32, max_seqs=4)
+    _, sampled = land(s, [room("p5-old", priority=5, max_tokens=20), room("p3", priority=3, max_tokens=20),
+                          room("p5-new", priority=5, max_tokens=20)], 0)
+    assert s.allocator.num_free == 2  # each room holds two blocks of 4 tokens
+    for rid, priority, tokens, expected in [("eq", 5, 9, None), ("big", 4, 28, None), ("urgent", -1, 9, ["p5-new"])]:
+        plan = s.plan(2, Inbox(new=[NewRequest(rid, list(range(10, 10 + tokens)),
+                                               SamplingParams(temperature=0, priority=priority),
+                                               kv=KVRole.DECODE, peer=KVPeer("p"))]), sampled)
+        if expected is None:
+            assert [r.request_id for r in plan.deferred] == [rid] and plan.preempted == []
+    assert plan.preempted == expected and [r.request_id for r in plan.admitted] == ["urgent"]
+    assert "p5-new" not in [c.request_id for c in plan.batch]
+    s.apply(plan)
+    s.allocator.check_integrity()
+    assert [q.request_id for q in s.waiting] == ["p5-new"] and "urgent" in s.held
+    assert s.allocator.num_free == 1  # two free and two of p5-new's, less urgent's three
