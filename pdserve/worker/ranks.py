@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from multiprocessing.connection import wait as mp_wait
 
 from pdserve.gloo_idle import preload_env
 from pdserve.logs import setup_logging
@@ -32,6 +33,18 @@ def spawn_ranks(ranks: range, engine_config, settings) -> list[mp.Process]:
     for p in procs:
         p.start()
     return procs
+
+
+def dead_ranks(procs: list[mp.Process], wait: float = 0.0) -> list[str]:
+    """The names of the rank processes that have exited. `wait`: when none has, give one that
+    is exiting that long to finish (a killed rank's sockets are reset, and fail a collective, a
+    moment before its exit can be reaped)."""
+    if wait and procs and all(p.is_alive() for p in procs):
+        ready = mp_wait([p.sentinel for p in procs], timeout=wait)
+        for p in procs:
+            if p.sentinel in ready:
+                p.join(timeout=wait)  # reaped: is_alive() says so
+    return [p.name for p in procs if not p.is_alive()]
 
 
 def rank_main(rank: int, engine_config, settings) -> None:

@@ -24,7 +24,7 @@ from pdserve.scheduler.plan import KVPeer, StepOutput, StepPlan
 
 from .accounting import Accounting
 from .faults import FaultPlan, Wedge
-from .ranks import free_port, spawn_ranks
+from .ranks import dead_ranks, free_port, spawn_ranks
 from .runtime import RankRuntime
 
 logger = logging.getLogger(__name__)
@@ -38,6 +38,9 @@ IDLE_WAIT_S = 0.005
 # TP group's collectives stay far inside their timeout and /health's step stays fresh
 # (docs/liveness.md: an idle worker costs nothing).
 IDLE_TICK_S = 5.0
+# A step failed and no rank process has exited yet: how long one that is exiting may take to be
+# seen (only on the way out; a failure with every rank alive is reported after it).
+DYING_RANK_S = 1.0
 
 
 @dataclass
@@ -153,7 +156,7 @@ class Worker:
             logger.exception("the scheduler loop failed; the worker stops")
             # A rank that died usually shows first as a collective's transport error: the clients
             # are told the cause, the log keeps the transport's own message.
-            dead = [p.name for p in self.ranks if not p.is_alive()]
+            dead = dead_ranks(self.ranks, wait=DYING_RANK_S)
             self.error = f"TP rank process {dead[0]} died" if dead else f"the scheduler loop failed: {e}"
             self._fail_all(self.error, worker_died=bool(dead))
             self.on_fatal()
@@ -162,7 +165,7 @@ class Worker:
 
     def before_step(self) -> bool:
         """StepHooks: a dead rank stops the loop; True once stop() was called."""
-        dead = [p.name for p in self.ranks if not p.is_alive()]
+        dead = dead_ranks(self.ranks)
         if dead:
             raise RuntimeError(f"TP rank process {dead[0]} died")
         if self._wedge is not None:
