@@ -25,7 +25,8 @@ A decode room that finds too few free blocks for its KV preempts running request
 priority the same way (`_room_victims`), or waits.
 A decode worker's rooms join the running ones as their KV lands, past `max_num_seqs` too (their
 blocks are taken already); a step runs only the first `max_num_seqs` of them in that order, so
-the rest wait for a slot with their KV.
+the rest wait for a slot with their KV, and the first token the prefill worker sampled goes out
+in the room's first step (`unsent`), so the wait is time to first token, not a pause after it.
 
 Step budget (`_Budget`, docs/step-budget.md): a step computes at most
 `max_num_batched_tokens` tokens; if any request samples in it (a decode, or a prompt's last
@@ -198,6 +199,7 @@ class Scheduler:
         self.held: dict[str, Sequence] = {}  # status.held: a KV transfer may touch their blocks
         self.num_preemptions = 0
         self.futures: dict[str, int] = {}  # overlap: tokens sampled or being sampled, not yet applied
+        self.unsent: dict[str, StepOutput] = {}  # landed rooms' first tokens: out with their first step
 
     # ---- rank 0: decide -------------------------------------------------------------------
 
@@ -531,6 +533,8 @@ class Scheduler:
             if seq is not None:
                 self._move_held(seq, HeldEvent.ABORT, outputs, reason=reason)
             elif (seq := self.seqs.get(rid)) is not None:
+                if (first := self.unsent.pop(rid, None)) is not None:  # a room's token comes before its end
+                    outputs.append(first)
                 outputs.append(StepOutput(rid, finish_reason=reason, cached_tokens=seq.cached_tokens))
                 self._finish(seq, reason)
         for rid, error in plan.rejected:
@@ -580,6 +584,8 @@ class Scheduler:
         batch = []
         for chunk in plan.batch:
             seq = self.seqs[chunk.request_id]
+            if (first := self.unsent.pop(chunk.request_id, None)) is not None:
+                outputs.append(first)
             if seq.status is SequenceStatus.WAITING:
                 self.waiting.remove(seq)
                 self.running.append(seq)
@@ -679,7 +685,11 @@ class Scheduler:
             seq.cached_tokens = token.cached_tokens  # what the prefill worker reused
             self._name_full_blocks(seq)  # its prompt's KV is in place: later rooms may reuse it
             self.running.append(seq)
-            outputs.append(self._append(seq, token))
+            out = self._append(seq, token)
+            if out.finish_reason is None:  # out when the room first runs: past the slots, it waits
+                self.unsent[seq.request_id] = out
+            else:
+                outputs.append(out)
         elif move.status is SequenceStatus.FINISHED:
             del self.held[seq.request_id]
             self._release(seq)
@@ -706,6 +716,7 @@ class Scheduler:
         seq.finish_reason = reason
         self.seqs.pop(seq.request_id, None)
         self.futures.pop(seq.request_id, None)
+        self.unsent.pop(seq.request_id, None)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -11,9 +11,10 @@ blocks; a room of priority -1 that needs more than are free preempts one of them
 step it arrives (without it, the room waits for one to end and nothing is preempted), and the
 preempted one, recomputed on the decode worker, answers as it does alone.
 
-PD: two requests of priority 5 get their first tokens; the decode worker decodes one and keeps
-the other's KV waiting for its one slot. A request of priority -1 passes the full router at once,
-takes the slot when its KV lands and ends first; nothing is preempted."""
+PD: a request of priority 5 streams from the decode worker's one slot; a second one's KV lands
+and waits for the slot, its first token held back with it. A request of priority -1 passes the
+full router at once, takes the slot when its KV lands and ends first, then the two others in
+their order; nothing is preempted."""
 from __future__ import annotations
 
 import asyncio
@@ -115,6 +116,7 @@ def test_a_smaller_priority_passes_the_full_router_and_preempts_the_running_requ
 def test_in_pd_a_smaller_priority_passes_the_full_router_and_takes_the_decode_slot(pd):
     roles = ("prefill", "decode")
     before = {role: worker_metric(pd, "pdserve:num_preemptions_total", role) for role in roles}
+    decode = pd.workers()["decode"]
 
     async def scenario() -> list[str]:
         ended: list[str] = []
@@ -124,25 +126,24 @@ def test_in_pd_a_smaller_priority_passes_the_full_router_and_takes_the_decode_sl
                 await streamed(http, body, started, parts)
                 ended.append(name)
 
-            started = {name: asyncio.Event() for name in ("low-1", "low-2")}
-            parts: dict[str, list[str]] = {name: [] for name in started}
-            tasks = [asyncio.create_task(ask(name, LONG, started[name], parts[name])) for name in started]
-            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started.values())), 120)
-            # both rooms' KV landed with their first tokens; one decodes, the other keeps its KV
-            # and waits for the slot: its stream stays at its first piece
-            while max(len(p) for p in parts.values()) < 24:
-                assert not any(t.done() for t in tasks)
-                await asyncio.sleep(0.02)  # waits on the running stream's pieces
-            assert min(len(p) for p in parts.values()) == 1
-            assert worker_metric(pd, "pdserve:num_requests_running", "decode") == 1
-            assert worker_metric(pd, "pdserve:num_requests_waiting", "decode") == 1
+            started = asyncio.Event()
+            parts: dict[str, list[str]] = {"low-1": [], "low-2": []}
+            tasks = [asyncio.create_task(ask("low-1", LONG, started, parts["low-1"]))]
+            await asyncio.wait_for(started.wait(), 120)  # it holds the decode worker's one slot
+            tasks.append(asyncio.create_task(ask("low-2", LONG, None, parts["low-2"])))
+            # low-2's KV lands and waits for the slot, its first token with it
+            while (await http.get(decode + "/load")).json()["waiting"] < 1:
+                assert not tasks[0].done(), "low-1 ended before low-2's room waited for the slot"
+                await asyncio.sleep(0.02)  # polls the decode worker's own count
+            assert parts["low-2"] == [] and not tasks[0].done()
             await ask("high", {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
                                "temperature": 0, "ignore_eos": True, "priority": -1})
+            assert not tasks[0].done(), "low-1 ended before the high-priority request"
             await asyncio.wait_for(asyncio.gather(*tasks), 300)
         return ended
 
     ended = asyncio.run(scenario())
-    assert ended[0] == "high" and sorted(ended[1:]) == ["low-1", "low-2"]
+    assert ended == ["high", "low-1", "low-2"]
     assert {role: worker_metric(pd, "pdserve:num_preemptions_total", role) for role in roles} == before
 
 

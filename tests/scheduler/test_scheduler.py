@@ -253,15 +253,17 @@ def test_the_newest_of_the_largest_priority_goes_first_and_a_burst_preempts_at_o
 def land(s: Scheduler, rooms: list[NewRequest], step: int, sampled: list[SampledToken] | None = None
          ) -> tuple[list[str], list[SampledToken]]:
     """Admit decode rooms in `step` (their blocks taken; `sampled`: the step before's tokens),
-    then report their KV landed, each with its first token, in the next step; that step's batch
-    and its tokens."""
+    then report their KV landed, each with its first token (7), in the next step; that step's
+    batch and its tokens. A room's first token goes out in the step it first runs."""
     _, sampled = steps_until(s, Inbox(new=rooms), sampled=sampled, first_step=step)
     arrived = [TransferOutcome(r.request_id, TransferKind.ARRIVED, SampledToken(r.request_id, 7)) for r in rooms]
+    arrived_ids = {r.request_id for r in rooms}
     plan = s.plan(step + 1, Inbox(), sampled, arrived)
-    _, batch = s.apply(plan)
+    outputs, batch = s.apply(plan)
     s.allocator.check_integrity()
-    return ([c.request_id for c in plan.batch],
-            [SampledToken(q.request_id, 5) for q, start, n in batch if start + n == q.num_tokens])
+    ran = [c.request_id for c in plan.batch]
+    assert sorted(o.request_id for o in outputs if o.token_id == 7) == sorted(r for r in ran if r in arrived_ids)
+    return ran, [SampledToken(q.request_id, 5) for q, start, n in batch if start + n == q.num_tokens]
 
 
 def room(rid: str, priority: int = 0, max_tokens: int = 6) -> NewRequest:
@@ -273,14 +275,20 @@ def room(rid: str, priority: int = 0, max_tokens: int = 6) -> NewRequest:
 def test_a_decode_worker_runs_at_most_max_num_seqs_landed_rooms():
     """Rooms whose KV landed past `max_num_seqs` keep it and wait for a slot: each step decodes
     the first two, in landing order; a room starts when one ends, and is reported waiting until
-    then. Every block comes back."""
+    then, its first token held back until that step. Every block comes back."""
     s = make(num_blocks=32, budget=32, max_seqs=2)
     batch, sampled = land(s, [room("a", max_tokens=3), room("b"), room("c"), room("d")], 0)
     assert batch == ["a", "b"]
     assert s.load() == (2, 2)
     assert s.allocator.num_used == 8  # every landed room keeps its KV
-    seen, sampled = steps_until(s, Inbox(), Inbox(), sampled=sampled, first_step=2)
-    assert [batch for batch, _ in seen] == [["a", "b"], ["b", "c"]]  # "a" ended on its third token
+    firsts = []  # the steps in which each room's first token (7) went out
+    for step in (2, 3):
+        plan = s.plan(step, Inbox(), sampled)
+        outputs, batch = s.apply(plan)
+        firsts.append([o.request_id for o in outputs if o.token_id == 7])
+        assert [c.request_id for c in plan.batch] == (["a", "b"] if step == 2 else ["b", "c"])  # "a" ended
+        sampled = [SampledToken(q.request_id, 5) for q, start, n in batch if start + n == q.num_tokens]
+    assert firsts == [[], ["c"]]  # "c" waited for its slot before its first token went out
     started, preempted = run_to_end(s, sampled=sampled)
     assert started == ["b", "c", "d"] and preempted == []
     assert s.allocator.num_used == 0 and s.load() == (0, 0)
