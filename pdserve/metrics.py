@@ -307,6 +307,9 @@ class RouterMetrics(_Base):
         self.routing_cache_queries = self._counter(
             "routing_cache_queries", "Workers asked what they hold of a prompt before it was routed, by "
             "whether they answered in time.", "outcome", CACHE_QUERY_OUTCOMES)
+        self.local_prefills = self._counter(
+            "local_prefills", "PD requests sent to a decode worker alone, which computes the prompt itself "
+            "(it likely held all but --local-prefill-tokens of it).")
         self.tokenizer_reused_tokens = self._counter(
             "tokenizer_reused_tokens", "Chat prompt tokens taken from an earlier prompt's tokenization (a "
             "conversation's previous turn) instead of tokenized again.")
@@ -339,6 +342,7 @@ class RouterMetrics(_Base):
                                                           ADMISSION_REJECTIONS)
         admission.routing.on_decision = lambda why: self._inc(self.routing_decisions, "reason", why,
                                                               ROUTING_REASONS)
+        admission.routing.on_local = self.local_prefills.inc
         admission.routing.on_ask = lambda answered: self._inc(
             self.routing_cache_queries, "outcome", "answered" if answered else "unanswered", CACHE_QUERY_OUTCOMES)
 

@@ -143,8 +143,9 @@ class LLMEngine:
                     peer: KVPeer | None = None) -> None:
         """Queue a request. PD roles pass their `peer` (see `KVPeer`)."""
         self.check(prompt_ids, params)
-        self._inbox.put(NewRequest(request_id, list(prompt_ids), params, time.monotonic(),
-                                   kv=self.kv_role, peer=peer))
+        # a decode worker computes a request that comes without a prefill peer itself
+        kv = KVRole.LOCAL if self.kv_role is KVRole.DECODE and peer is None else self.kv_role
+        self._inbox.put(NewRequest(request_id, list(prompt_ids), params, time.monotonic(), kv=kv, peer=peer))
 
     def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """ValueError naming what is wrong with a request. Bad input must never reach the loop,

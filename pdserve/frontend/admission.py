@@ -67,6 +67,7 @@ class AdmissionConfig:
     retry_after_s: int = 2               # what a 429 tells the client
     routing: str = Policy.CACHE_AWARE.value  # --routing: cache-aware | least-loaded (routing.py)
     ask_caches: bool = True              # cache-aware: ask the workers what they hold first (--no-ask-caches)
+    local_prefill_tokens: int = 0        # --local-prefill-tokens (routing.py: Placement.local)
     scheduling_policy: str = "fcfs"      # --scheduling-policy: fcfs | priority (requests' `priority`)
 
     def __post_init__(self) -> None:
@@ -132,7 +133,8 @@ class Admission:
         self.config = config or AdmissionConfig()
         self.clock = clock
         self.stats = AdmissionStats()
-        self.routing = CacheAwareRouter(Policy(self.config.routing))
+        self.routing = CacheAwareRouter(Policy(self.config.routing),
+                                        local_prefill_tokens=self.config.local_prefill_tokens)
         self._queue: deque[_Waiter] = deque()
         pool.on_change = self.wake
 
@@ -181,7 +183,7 @@ class Admission:
         routes: list[Route] = []
         try:
             for _ in range(n):
-                route = self.pool.pick(fits, placement.choose)
+                route = self.pool.pick(fits, placement.choose, placement.local)
                 _reserve(route, +1)
                 routes.append(route)
         except APIError:

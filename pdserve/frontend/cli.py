@@ -96,6 +96,11 @@ def add_admission_flags(p: argparse.ArgumentParser) -> None:
                    help="cache-aware routing without asking the workers what they hold of each prompt "
                         "(POST /cached_prefix, done where a role has two workers or more): only this "
                         "router's own record of what it sent where counts (docs/prefix-cache.md)")
+    a.add_argument("--local-prefill-tokens", type=_non_negative, default=0, metavar="N",
+                   help="PD: a request whose prompt the chosen decode worker holds but for at most N tokens "
+                        "(as it answers POST /cached_prefix) goes to that decode worker alone, which computes the rest itself instead "
+                        "of a prefill worker computing it and sending the KV (a later turn of a "
+                        "conversation); 0 (default): every request goes through a prefill worker")
     a.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                    help="fcfs (default: requests wait for room in arrival order, and a request's priority "
                         "other than 0 is a 400) or priority (vLLM's: lower priority values go first, in "
@@ -168,6 +173,7 @@ def router_config(args: argparse.Namespace, model_dir: Path, prefill: list[str],
                         max_queue=args.max_queue, queue_timeout_s=args.queue_timeout,
                         worker_capacity=args.worker_capacity, max_running=args.max_running,
                         routing=getattr(args, "routing", "cache-aware"), ask_caches=getattr(args, "ask_caches", True),
+                        local_prefill_tokens=getattr(args, "local_prefill_tokens", 0),
                         scheduling_policy=args.scheduling_policy,
                         slow_after_s=args.slow_after, dead_after_s=args.dead_after,
                         retries=args.retries, internal_token=internal_token(args),

@@ -35,6 +35,7 @@ class RouterConfig:
     max_running: int | None = None        # choices running router-wide (None: the workers' sum)
     routing: str = "cache-aware"          # cache-aware | least-loaded (routing.py)
     ask_caches: bool = True               # cache-aware: ask the workers what they hold (--no-ask-caches)
+    local_prefill_tokens: int = 0         # PD: a prompt with at most this many uncached tokens skips prefill
     scheduling_policy: str = "fcfs"       # fcfs | priority: the admission queue by requests' priority
     retries: int = 1                      # a choice its worker failed runs again, from the start or its last token
     internal_token: str | None = None     # sent to the workers' internal API (PDSERVE_INTERNAL_TOKEN)

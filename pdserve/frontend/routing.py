@@ -96,12 +96,14 @@ def block_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | No
 
 class PromptKey:
     """A prompt's token ids (and its request's cache salt), hashed per block size on first use;
-    `reported`: the leading blocks each asked worker said it holds (`CacheAwareRouter.ask`)."""
+    `asked`: the workers asked what they hold of it, and `reported`: the leading blocks each of
+    them said it holds, where it answered in time (`CacheAwareRouter.ask`)."""
 
     def __init__(self, token_ids: Sequence[int], cache_salt: str | None = None) -> None:
         self.token_ids = token_ids
         self.cache_salt = cache_salt
         self._hashes: dict[int, list[int]] = {}
+        self.asked: set[WorkerEndpoint] = set()
         self.reported: dict[WorkerEndpoint, int] = {}
 
     def hashes(self, block_size: int) -> list[int]:
@@ -142,14 +144,17 @@ class CacheAwareRouter:
     """The routing policy over the pool's workers; `placement(prompt_ids)` is the entry point."""
 
     def __init__(self, policy: Policy = Policy.CACHE_AWARE, *, balance_abs: int = BALANCE_ABS,
-                 balance_rel: float = BALANCE_REL, max_blocks_per_worker: int = MAX_BLOCKS_PER_WORKER) -> None:
+                 balance_rel: float = BALANCE_REL, max_blocks_per_worker: int = MAX_BLOCKS_PER_WORKER,
+                 local_prefill_tokens: int = 0) -> None:
         self.policy = Policy(policy)
+        self.local_prefill_tokens = local_prefill_tokens
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self.max_blocks_per_worker = max_blocks_per_worker
         self.decisions: dict[Reason, int] = {r: 0 for r in Reason}
         self.on_decision: Callable[[str], None] | None = None  # metrics
         self.on_ask: Callable[[bool], None] | None = None      # metrics: one call per worker asked (answered?)
+        self.on_local: Callable[[], None] | None = None        # metrics: a PD request sent to its decode worker alone
         self._index: dict[WorkerEndpoint, PrefixIndex] = {}
 
     def placement(self, key: PromptKey | None) -> Placement:
@@ -178,7 +183,8 @@ class CacheAwareRouter:
     async def ask(self, client: WorkerClient, workers: Iterable[WorkerEndpoint], key: PromptKey) -> None:
         """Fill `key.reported`: ask the available workers what leading blocks of the prompt
         they hold (in the device pool or the host tier), where an answer could change a choice:
-        cache-aware routing, a role with two workers or more, a worker with a prefix cache. The
+        cache-aware routing, a role with two workers or more (or, with `local_prefill_tokens`, a
+        decode worker: `Placement.local` goes by its answer), a worker with a prefix cache. The
         names are computed once per distinct chain (salt and block size), off the event loop;
         the workers are asked at once, and those that do not answer within `ASK_TIMEOUT_S`
         count only by the index. An answer carries the worker's load too, which replaces the
@@ -190,7 +196,8 @@ class CacheAwareRouter:
             if w.available and w.info is not None and w.info.prefix_salt:
                 by_role.setdefault(w.role, []).append(w)
         # each worker's chain, read now: a worker's /info is dropped when it leaves the rotation
-        chain_of = {w: (w.info.prefix_salt, _block_size(w)) for ws in by_role.values() if len(ws) > 1 for w in ws}
+        chain_of = {w: (w.info.prefix_salt, _block_size(w)) for role, ws in by_role.items()
+                    if len(ws) > 1 or (role is Role.DECODE and self.local_prefill_tokens) for w in ws}
         chains = set(chain_of.values())
         if not chains or len(key.token_ids) < min(bs for _, bs in chains):
             return
@@ -202,6 +209,7 @@ class CacheAwareRouter:
 
         chain_names = await asyncio.to_thread(names)
         asked = list(chain_of)
+        key.asked.update(asked)
         answers = await asyncio.gather(*(client.cached_prefix(w.url, chain_names[chain_of[w]], ASK_TIMEOUT_S)
                                          for w in asked))
         for w, answer in zip(asked, answers):
@@ -261,13 +269,38 @@ class Placement:
         self.decisions.append(decision)
         return decision.worker
 
+    def local(self, w: WorkerEndpoint) -> bool:
+        """Whether the decode worker `w`, just chosen, computes the prompt itself: it holds all but
+        at most `local_prefill_tokens` of it. Sending the rest through a prefill worker would cost
+        a hop, a transfer and, there, a recompute of what only the decode worker computed (the
+        previous answer of a conversation). A wrong yes costs more (the whole prompt computed
+        among the decode worker's streams), so what the worker said it holds decides, not the
+        router's record, which counts a prompt as held as soon as it was sent; a worker asked that
+        did not answer in time holds nothing here. Only with `--no-ask-caches` does the record
+        decide."""
+        limit = self.router.local_prefill_tokens
+        if not limit or self.key is None or w.role is not Role.DECODE:
+            return False
+        if w in self.key.asked:
+            matched = self.key.reported.get(w, 0)
+        elif w.info is not None and w.info.prefix_salt:  # not asked: the record's estimate
+            matched = max((d.matched_blocks for d in self.decisions if d.worker is w), default=0)
+        else:  # no prefix cache: it holds nothing, whatever it was sent
+            matched = 0
+        return len(self.key.token_ids) - matched * _block_size(w) <= limit
+
     def discard(self) -> None:
         """The choices made so far were not used (no room for all of them)."""
         self.decisions.clear()
 
     def commit(self, routes: Iterable[Route]) -> None:
         """The request's routes are reserved: record the choices they use."""
+        routes = list(routes)
         used = {w for route in routes for w in route if w is not None}
+        if self.router.on_local is not None:
+            for route in routes:
+                if route.prefill is None and route.decode.role is Role.DECODE:
+                    self.router.on_local()
         for decision in self.decisions:
             if decision.worker in used:
                 self.router.record(decision, self.key)

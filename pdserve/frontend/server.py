@@ -63,7 +63,8 @@ class Router:
         self.admission = Admission(self.pool, AdmissionConfig(
             max_queue=config.max_queue, queue_timeout_s=config.queue_timeout_s,
             worker_capacity=config.worker_capacity, max_running=config.max_running, routing=config.routing,
-            ask_caches=config.ask_caches, scheduling_policy=config.scheduling_policy))
+            ask_caches=config.ask_caches, local_prefill_tokens=config.local_prefill_tokens,
+            scheduling_policy=config.scheduling_policy))
         self.metrics.watch_admission(self.admission)
         targets = _targets(config)
         self.discovery = Discovery(self.pool, targets, config.discover_interval_s) if targets else None

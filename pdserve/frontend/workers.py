@@ -232,10 +232,12 @@ class WorkerPool:
         return task
 
     def pick(self, fits: Callable[[WorkerEndpoint], bool] | None = None,
-             choose: Callable[[list[WorkerEndpoint]], WorkerEndpoint | None] | None = None) -> Route:
+             choose: Callable[[list[WorkerEndpoint]], WorkerEndpoint | None] | None = None,
+             local: Callable[[WorkerEndpoint], bool] | None = None) -> Route:
         """A decode-capable worker, and for a decode worker a prefill one; only workers for which
         `fits` holds (admission: those with room). `choose` picks one of the candidates of a
-        role (routing.py: by cached prefix and load); by default the least loaded."""
+        role (routing.py: by cached prefix and load); by default the least loaded. A decode
+        worker for which `local` holds computes the prompt itself: no prefill worker."""
         def ok(w: WorkerEndpoint) -> bool:
             return w.available and (fits is None or fits(w))
 
@@ -248,8 +250,8 @@ class WorkerPool:
             raise unavailable("No worker is available to serve the request; try again later.")
         now = self.clock()
         decode.last_pick = now
-        if decode.role is Role.BOTH or prefill is None:  # a decode worker implies a prefill one
-            return Route(decode, None)
+        if decode.role is Role.BOTH or prefill is None or (local is not None and local(decode)):
+            return Route(decode, None)  # (a decode worker is a candidate only beside a prefill one)
         prefill.last_pick = now
         return Route(decode, prefill)
 

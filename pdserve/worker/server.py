@@ -278,8 +278,6 @@ def build_app(worker: Worker, model_name: str, internal_token: str | None = None
         body = await parse(request, GenerateRequest)
         if isinstance(body, JSONResponse):
             return body
-        if role is Role.DECODE and not body.prefill_worker_id:
-            return error(ErrorCode.BAD_REQUEST, "a decode worker needs prefill_worker_id")
         try:
             peer = KVPeer(body.prefill_worker_id) if role is Role.DECODE and body.prefill_worker_id else None
             q = worker.submit(body.request_id, body.prompt_ids, body.params, peer)

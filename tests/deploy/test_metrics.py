@@ -44,6 +44,7 @@ EXPECTED = {
     "admission_queue_length": "gauge", "admission_queue_seconds": "histogram", "admission_rejections": "counter",
     # cache-aware routing (issue 15), and the router's reuse of a conversation's tokenization
     "routing_decisions": "counter", "routing_cache_queries": "counter", "tokenizer_reused_tokens": "counter",
+    "local_prefills": "counter",
     # choices the router ran again after a worker failed them
     "request_retries": "counter",
     # the Responses API's stored responses

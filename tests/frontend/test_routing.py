@@ -13,7 +13,7 @@ from pdserve.frontend.routing import (CacheAwareRouter, Decision, Policy, Prefix
 from pdserve.frontend.worker_client import Probe, WorkerClient
 from pdserve.frontend.workers import WorkerPool
 from pdserve.metrics import RouterMetrics
-from pdserve.worker_api import Info, Load
+from pdserve.worker_api import CachedPrefix, Info, Load, Role
 
 BS = 16
 
@@ -141,6 +141,62 @@ def test_pd_chooses_both_workers_by_prefix():
         assert third.prefill is not first.prefill and third.decode is not first.decode  # the least loaded
     asyncio.run(go())
     assert adm.routing.decisions == {Reason.PREFIX: 2, Reason.BALANCE: 0, Reason.LOAD: 4}
+
+
+class Holding:
+    """The /cached_prefix answers of a `WorkerClient`: `blocks[url]` leading blocks held (None: no
+    answer in time)."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, int | None] = {}
+
+    async def cached_prefix(self, url: str, names: str, timeout_s: float) -> CachedPrefix | None:
+        n = self.blocks.get(url)
+        return None if n is None else CachedPrefix(device_blocks=n, host_blocks=0, load=Load())
+
+
+def test_pd_sends_a_prompt_its_decode_worker_holds_but_for_a_few_tokens_to_that_worker_alone():
+    """--local-prefill-tokens: a prompt the decode worker says it holds all but N tokens of goes
+    to it alone. The router's record is not enough: it counts a prompt as held once sent, before
+    its KV landed. A prompt with more uncached tokens, a worker that does not answer, the flag at
+    0, or a decode worker without a prefix cache: through a prefill worker."""
+    def pd(flag: int, caches: bool = True, ask: bool = True) -> tuple[Admission, Holding]:
+        pool = pool_of(prefill=1, decode=1)
+        for w in pool.workers:
+            if caches:
+                w.info = w.info.model_copy(update={"prefix_salt": "ab" * 16})
+        pool.client = Holding()
+        return Admission(pool, AdmissionConfig(local_prefill_tokens=flag, ask_caches=ask)), pool.client
+
+    adm, holding = pd(24)
+    metrics = RouterMetrics("m")
+    metrics.watch_admission(adm)
+    decode = adm.pool.of_role(Role.DECODE)[0].url
+    later = prompt(0) + [7] * 19  # 5 + 19 = 24 tokens past 4 blocks
+
+    async def route(admission: Admission, ids: list[int]):
+        r = (await admit(admission, ids))[0]
+        finish(r)
+        return r
+
+    async def go():
+        holding.blocks[decode] = 0
+        assert (await route(adm, prompt(0))).prefill is not None  # 69 tokens, nothing held
+        assert (await route(adm, later)).prefill is not None      # sent there, but not landed yet
+        holding.blocks[decode] = 4
+        assert (await route(adm, later)).prefill is None          # the 24 past what it holds
+        assert (await route(adm, prompt(0) + [8] * 20)).prefill is not None  # 25: one too many
+        holding.blocks[decode] = None
+        assert (await route(adm, later)).prefill is not None      # no answer in time
+        assert (await route(adm, [9] * 24)).prefill is None       # 24 tokens in all
+        no_ask, _ = pd(24, ask=False)  # --no-ask-caches: the record decides
+        assert (await route(no_ask, prompt(0))).prefill is not None
+        assert (await route(no_ask, later)).prefill is None
+        for admission, held in (pd(0), pd(24, caches=False)):
+            held.blocks[decode] = 5
+            assert (await route(admission, later)).prefill is not None
+    asyncio.run(go())
+    assert 'pdserve:local_prefills_total{model_name="m",role="router"} 2.0' in metrics.render().decode()
 
 
 def test_an_overloaded_holder_is_passed_over_for_the_least_loaded():
