@@ -105,18 +105,29 @@ def _vllm_entry(key: str, value: Any, param: str) -> GrammarSpec:
 
 def tool_call_schema(tools: Sequence[Mapping[str, Any]], function: str | None, parallel: bool) -> dict[str, Any]:
     """The JSON Schema of the calls a model without a call syntax must write: one call object
-    ``{"name": <name>, "arguments": <its parameters>}`` for a named function; for "required",
+    ``{"name": <name>, "arguments": <its arguments_schema>}`` for a named function; for "required",
     one call of any tool, or with `parallel` a non-empty list of them."""
-    calls = [_call_schema(t["function"]) for t in tools if function is None or t["function"]["name"] == function]
+    used = [t["function"] for t in tools if function is None or t["function"]["name"] == function]
+    calls = [call_schema(fn["name"], arguments_schema(fn.get("parameters"))) for fn in used]
     one = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if function is not None or not parallel:
         return one
     return {"type": "array", "items": one, "minItems": 1}
 
 
-def _call_schema(fn: Mapping[str, Any]) -> dict[str, Any]:
-    params = fn.get("parameters") or {"type": "object", "properties": {}}
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": params},
+def arguments_schema(parameters: Any) -> dict[str, Any]:
+    """The schema a call's arguments follow: the tool's `parameters` (left out or `{}`: no
+    parameters, as OpenAI reads it), with only the listed properties when it lists some and says
+    nothing of others (as OpenAI's strict mode has it): no extra keys for a model to wander into."""
+    schema = dict(parameters) if isinstance(parameters, Mapping) and parameters else {"type": "object", "properties": {}}
+    if "properties" in schema and "additionalProperties" not in schema:
+        schema["additionalProperties"] = False
+    return schema
+
+
+def call_schema(name: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """One JSON call object, `{"name": <name>, "arguments": <arguments>}`, in that order."""
+    return {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 

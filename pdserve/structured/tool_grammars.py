@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdserve.parsers.profiles import Format, Profile
+from pdserve.structured.spec import arguments_schema, call_schema
 
 # Keywords a raw (unquoted) string value can honour: anything else on a string goes through
 # the JSON schema (DSML) or is refused (GLM, which writes every string raw).
@@ -51,15 +52,13 @@ class ToolGrammarError(ValueError):
 @dataclass(frozen=True)
 class Tool:
     name: str
-    parameters: Mapping[str, Any]
+    parameters: Mapping[str, Any]  # its arguments' schema (`spec.arguments_schema`)
     strict: bool
 
     @classmethod
     def of(cls, tool: Mapping[str, Any]) -> Tool:
         fn = tool.get("function", tool)
-        params = fn.get("parameters")
-        return cls(str(fn["name"]), params if isinstance(params, Mapping) else {"type": "object", "properties": {}},
-                   fn.get("strict") is True)
+        return cls(str(fn["name"]), arguments_schema(fn.get("parameters")), fn.get("strict") is True)
 
 
 @dataclass(frozen=True)
@@ -335,24 +334,10 @@ def _allows_string(schema: Any) -> bool:
 
 # ---- Hermes and DeepSeek V3 / V3.1: a JSON body between markers -----------------------------------
 
-def _arguments_schema(tool: Tool) -> dict[str, Any]:
-    """The parameters schema, with only the listed properties when it lists some (as DSML and
-    GLM write them, and OpenAI's strict mode has it): no extra keys to wander into."""
-    schema = dict(tool.parameters)
-    if "properties" in schema and "additionalProperties" not in schema:
-        schema["additionalProperties"] = False
-    return schema
-
-
-def _call_schema(tool: Tool) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": _arguments_schema(tool)},
-            "required": ["name", "arguments"], "additionalProperties": False}
-
-
 def _hermes(g: _Lark, profile: Profile, tools: list[Tool], many: bool) -> str:
     m = profile.hermes
     assert m is not None
-    bodies = [g.json(f"body{i}", _call_schema(t), t.strict) for i, t in enumerate(tools)]
+    bodies = [g.json(f"body{i}", call_schema(t.name, t.parameters), t.strict) for i, t in enumerate(tools)]
     g.rule("call", f'{tok(m.call_open)} {NL} ({" | ".join(bodies)}) {NL} {tok(m.call_close)}')
     return f"call ({NL} call)*" if many else "call"
 
@@ -362,7 +347,7 @@ def _dsv3(g: _Lark, profile: Profile, tools: list[Tool], many: bool) -> str:
     assert m is not None
     calls = []
     for i, t in enumerate(tools):
-        args = g.json(f"args{i}", _arguments_schema(t), t.strict)
+        args = g.json(f"args{i}", t.parameters, t.strict)
         if m.fenced:  # V3 / R1: function<sep>NAME, then the arguments in a json fence
             body = f'{lit("function")} {tok(m.sep)} {lit(t.name + chr(10) + "```json" + chr(10))} {args} ' \
                    f'{lit(chr(10) + "```")}'

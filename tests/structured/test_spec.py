@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from pdserve.structured.bitmask import new_bitmask, unpack
 from pdserve.structured.spec import SpecError, from_response_format, from_vllm, tool_call_schema, tools_strict
 from pdserve.worker_api import GrammarKind, GrammarSpec
 
@@ -56,9 +57,40 @@ def test_vllm_structured_outputs_and_guided_fields() -> None:
 def test_tool_call_schema_named_required_and_parallel() -> None:
     named = tool_call_schema(TOOLS, "get_weather", parallel=True)
     assert named["properties"]["name"] == {"const": "get_weather"}
-    assert named["properties"]["arguments"] == TOOLS[0]["function"]["parameters"]
+    assert named["properties"]["arguments"] == {**TOOLS[0]["function"]["parameters"], "additionalProperties": False}
     one = tool_call_schema(TOOLS, None, parallel=False)
     assert [c["properties"]["name"]["const"] for c in one["anyOf"]] == ["get_weather", "noop"]
     many = tool_call_schema(TOOLS, None, parallel=True)
     assert many["type"] == "array" and many["minItems"] == 1 and many["items"] == one
     assert tools_strict(TOOLS, "get_weather") and not tools_strict(TOOLS, None)
+
+
+def writable(grammars, tokenizer, schema: dict, text: str) -> bool:
+    """Whether the grammar of `schema` lets the default model's tokenizer write `text`, then EOS."""
+    matcher = grammars.backend.matcher(grammars.compile(GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema))))
+    mask = new_bitmask(1, tokenizer.vocab_size)
+    for token in [*tokenizer.encode(text), tokenizer.eos_token_id]:
+        matcher.fill_bitmask(mask, 0)
+        if not unpack(mask, tokenizer.vocab_size)[0, token]:
+            return False
+        assert matcher.consume(token)
+    return True
+
+
+@pytest.mark.parametrize("parameters", [None, {}, {"type": "object", "properties": {}}])
+def test_a_json_call_writes_only_the_listed_parameters_and_none_where_none_are_given(
+        grammars, tokenizer, parameters) -> None:
+    """OpenAI reads a function without `parameters` as one without parameters, and a schema that
+    lists properties as taking those (the call syntaxes' grammars hold calls to the same)."""
+    tools = [{"type": "function", "function": {"name": "now", **({} if parameters is None else {"parameters": parameters})}},
+             {"type": "function", "function": {"name": "get_weather", "parameters": {
+                 "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    schema = tool_call_schema(tools, None, parallel=False)
+    assert writable(grammars, tokenizer, schema, '{"name":"now","arguments":{}}')
+    assert not writable(grammars, tokenizer, schema, '{"name":"now","arguments":{"":1}}')
+    assert writable(grammars, tokenizer, schema, '{"name":"get_weather","arguments":{"city":"Paris"}}')
+    assert not writable(grammars, tokenizer, schema, '{"name":"get_weather","arguments":{"city":"Paris","days":2}}')
+    open_ended = {"type": "object", "additionalProperties": {"type": "integer"}}  # says what others may be
+    tools[1]["function"]["parameters"] = open_ended
+    assert writable(grammars, tokenizer, tool_call_schema(tools, "get_weather", parallel=False),
+                    '{"name":"get_weather","arguments":{"days":2}}')
