@@ -33,7 +33,14 @@ $(CPU_KERNELS): $(STAMP) $(wildcard csrc/cpu/*) pdserve_kernels/cpu_lib.py
 serve: setup
 	$(VENV)/bin/pdserve serve
 
-test: setup
+# The Vercel AI SDK for its client test (tests/frontend/test_ai_sdk_e2e.py), pinned by its
+# package-lock.json; without npm the test skips (it needs node).
+AI_SDK := tests/frontend/ai_sdk/node_modules/.package-lock.json
+$(AI_SDK): tests/frontend/ai_sdk/package-lock.json
+	@if command -v npm >/dev/null; then npm ci --prefix tests/frontend/ai_sdk --no-audit --no-fund --loglevel=error; \
+	else echo "npm not found: the AI SDK client test will skip"; fi
+
+test: setup $(AI_SDK)
 	$(PY) -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 clean:
