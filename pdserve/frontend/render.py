@@ -214,16 +214,19 @@ class ChatRenderer(Renderer):
     chunk_object_name = "chat.completion.chunk"
 
     def __init__(self, *args: Any, top_logprobs: int | None = None, prompt_ids: list[int] | None = None,
-                 tokens_as_ids: bool = False, **kwargs: Any) -> None:
+                 tokens_as_ids: bool = False, calls_only: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.top_logprobs = top_logprobs  # None: no logprobs
         self.prompt_ids = prompt_ids      # vLLM's return_token_ids: the prompt's ids (None: no ids)
         self.tokens_as_ids = tokens_as_ids  # logprobs name tokens `token_id:<id>`
+        self.calls_only = calls_only      # a grammar forces calls: the content stays null
 
     def opening(self) -> list[dict[str, Any]]:
         """The first chunk of every choice names the role, as OpenAI's do (the first one also
-        the prompt's token ids, when asked)."""
-        chunks = [self.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+        the prompt's token ids, when asked). Its content is "" where text may follow and null
+        where only calls can (OpenAI's: a client opens no text part for them)."""
+        content = None if self.calls_only else ""
+        chunks = [self.chunk([{"index": i, "delta": {"role": "assistant", "content": content},
                                "logprobs": None, "finish_reason": None}])
                   for i in range(len(self.choices))]
         if chunks and self.prompt_ids is not None:

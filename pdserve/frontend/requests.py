@@ -162,7 +162,8 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: C
     renderer = make_renderer(model, len(prompt.ids)) if make_renderer is not None else ChatRenderer(
         f"chatcmpl-{call.request_id}", model, len(specs), len(prompt.ids), s.tokenizer,
         include_usage=req.include_usage, continuous_usage=req.continuous_usage, top_logprobs=req.top_n,
-        prompt_ids=prompt.ids if req.return_token_ids else None, tokens_as_ids=req.return_tokens_as_token_ids)
+        prompt_ids=prompt.ids if req.return_token_ids else None, tokens_as_ids=req.return_tokens_as_token_ids,
+        calls_only=policy.required and constraint is not None and constraint[1] == "tools")
     if constraint is not None and json_calls(constraint[1], s.output.profile):  # JSON calls (json_calls.py)
         return await respond(s, call, specs, lambda _: JsonCallDecoder(s.tokenizer), renderer, req.stream)
     return await respond(s, call, specs,

@@ -95,6 +95,7 @@ def test_a_required_call_streams_into_the_call_the_server_makes(pd_server, scena
     assert list(s["parts"]["toolInput"].values()) == [c["function"]["arguments"]
                                                        for c in answer["choices"][0]["message"]["tool_calls"]]
     assert s["parts"]["types"].count("tool-result") == 1  # the SDK ran the tool on the parsed input
+    assert "text-start" not in s["parts"]["types"]  # no empty text part before the call
 
 
 @pytest.mark.parametrize("name", ["chat tool loop", "responses tool loop streamed"])

@@ -282,6 +282,18 @@ def test_required_tool_choice_forces_a_call_in_the_models_syntax(served: Served)
 
 
 @pytest.mark.timeout(TIMEOUT)
+def test_a_stream_opens_with_null_content_only_where_calls_are_forced(served: Served) -> None:
+    """As OpenAI's: a forced call's stream never has text, so a client opens no text part."""
+    def opening(**fields: Any) -> dict[str, Any]:
+        return stream(f"{served.server.v1}/chat/completions", body(served, **fields))[0]["choices"][0]["delta"]
+
+    assert opening(tools=BOUNDED, tool_choice="required") == {"role": "assistant", "content": None}
+    assert opening(tools=BOUNDED, tool_choice={"type": "function", "function": {"name": "get_time"}}) == {
+        "role": "assistant", "content": None}
+    assert opening(tools=BOUNDED) == {"role": "assistant", "content": ""}
+
+
+@pytest.mark.timeout(TIMEOUT)
 def test_named_tool_choice_forces_a_call_to_that_function(served: Served) -> None:
     result = both(served, tools=BOUNDED, tool_choice={"type": "function", "function": {"name": "get_time"}})
     assert_forced_calls(result, BOUNDED, ["get_time"])
