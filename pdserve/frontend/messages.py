@@ -69,6 +69,7 @@ def chat_request(req: MessagesRequest, stream: bool | None = None) -> ChatComple
         "continue_final_message": prefill or None, "add_generation_prompt": not prefill,
         "chat_template_kwargs": _thinking(req.thinking),
         "reasoning_effort": (req.output_config or {}).get("effort"),
+        "cache_salt": req.cache_salt, "priority": req.priority,
     }
     return ChatCompletionRequest.converted(body, {"stop": "stop_sequences", "reasoning_effort": "output_config.effort"})
 

@@ -427,7 +427,7 @@ class MessagesRequest(BaseModel):
     into a chat request in ``messages``; `thinking` switches the template's reasoning on or off and
     `output_config.effort` is its reasoning effort; `metadata` and cache-control marks are accepted
     and change nothing (the prefix cache needs no marks). The current `anthropic` SDK sends `temperature`, `top_p`
-    and `top_k` only in `extra_body`."""
+    and `top_k` only in `extra_body`, as it would pdserve's `cache_salt` and `priority`."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -445,6 +445,8 @@ class MessagesRequest(BaseModel):
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema"}}; effort: unused
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    cache_salt: str | None = None  # vLLM's, as on chat (in the SDK's `extra_body`)
+    priority: int = 0              # vLLM's, as on chat
 
 
 class CountTokensRequest(BaseModel):

@@ -1,6 +1,7 @@
-"""The Vercel AI SDK (`ai` 6 with `@ai-sdk/openai-compatible` and `@ai-sdk/openai`, Node.js) as
-a client of `pdserve serve --mode pd` (the session's server): text, tool calls, a tool loop and
-objects, over chat completions and the Responses API, streamed and not.
+"""The Vercel AI SDK (`ai` 6 with `@ai-sdk/openai-compatible`, `@ai-sdk/openai` and
+`@ai-sdk/anthropic`, Node.js) as a client of `pdserve serve --mode pd` (the session's server):
+text, tool calls, a tool loop and objects, over chat completions, the Responses API and the
+Messages API, streamed and not.
 
 `ai_sdk/client.mjs` runs the calls and prints what the SDK made of each step, with the request
 bodies it sent. Each body is sent again here, not streamed: the SDK must report exactly the
@@ -23,6 +24,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 MODEL = "SmolLM2-135M-Instruct"
 CLIENT = Path(__file__).parent / "ai_sdk"
 CHAT_FINISH = {"stop": "stop", "length": "length", "tool_calls": "tool-calls"}  # OpenAI's → the SDK's
+MESSAGES_FINISH = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool-calls"}
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +72,26 @@ def responses_step(answer: dict) -> dict:
             "usage": {"input": answer["usage"]["input_tokens"], "output": answer["usage"]["output_tokens"]}}
 
 
+def messages_step(answer: dict) -> dict:
+    """An Anthropic message as the SDK reports a step."""
+    blocks = answer["content"]
+    usage = answer["usage"]
+    return {"text": "".join(b["text"] for b in blocks if b["type"] == "text"),
+            "finishReason": MESSAGES_FINISH[answer["stop_reason"]],
+            "toolCalls": [{"name": b["name"], "input": b["input"]} for b in blocks if b["type"] == "tool_use"],
+            "usage": {"input": usage["input_tokens"] + usage["cache_read_input_tokens"],
+                      "output": usage["output_tokens"]}}
+
+
+STEP = {"/v1/chat/completions": chat_step, "/v1/responses": responses_step, "/v1/messages": messages_step}
+
+
 def served(server, scenario: dict) -> list[dict]:
     """Each step's request as the server answers it."""
-    step = {"/v1/chat/completions": chat_step, "/v1/responses": responses_step}
-    return [step[r["path"]](replay(server, r)) for r in scenario["requests"]]
+    return [STEP[r["path"]](replay(server, r)) for r in scenario["requests"]]
 
 
-@pytest.mark.parametrize("name", ["chat text", "chat text streamed", "responses text"])
+@pytest.mark.parametrize("name", ["chat text", "chat text streamed", "responses text", "messages text streamed"])
 def test_text_is_the_servers_answer(pd_server, scenarios, name):
     s = scenarios[name]
     assert s["steps"] == served(pd_server, s)
@@ -98,7 +113,7 @@ def test_a_required_call_streams_into_the_call_the_server_makes(pd_server, scena
     assert "text-start" not in s["parts"]["types"]  # no empty text part before the call
 
 
-@pytest.mark.parametrize("name", ["chat tool loop", "responses tool loop streamed"])
+@pytest.mark.parametrize("name", ["chat tool loop", "responses tool loop streamed", "messages tool loop streamed"])
 def test_a_tool_loop_sends_the_result_back_and_answers_it(pd_server, scenarios, name):
     s = scenarios[name]
     assert len(s["requests"]) == 2
@@ -108,26 +123,36 @@ def test_a_tool_loop_sends_the_result_back_and_answers_it(pd_server, scenarios, 
     assert answer["toolCalls"] == [] and answer["text"]
     # the second request carries the call and the tool's result, in the API's own shapes
     city = call["toolCalls"][0]["input"]["city"]
-    assert sent_back(s["requests"][1]["body"]) == ({"city": city}, {"city": city, "celsius": 21})
+    assert sent_back(s["requests"][1]) == ({"city": city}, {"city": city, "celsius": 21})
 
 
-def sent_back(body: dict) -> tuple[dict, dict]:
-    """The one call a request carries and the result paired with it by id (chat or Responses)."""
-    if "messages" in body:
+def sent_back(request: dict) -> tuple[dict, dict]:
+    """The one call a request carries and the result paired with it by id, in its API's shapes."""
+    body = request["body"]
+    if request["path"] == "/v1/chat/completions":
         [call] = [c for m in body["messages"] if m["role"] == "assistant" for c in m.get("tool_calls") or []]
         [result] = [m["content"] for m in body["messages"] if m.get("tool_call_id") == call["id"]]
         return json.loads(call["function"]["arguments"]), json.loads(result)
-    [call] = [i for i in body["input"] if i.get("type") == "function_call"]
-    [result] = [i["output"] for i in body["input"] if i.get("type") == "function_call_output"
-                and i["call_id"] == call["call_id"]]
-    return json.loads(call["arguments"]), json.loads(result)
+    if request["path"] == "/v1/responses":
+        [call] = [i for i in body["input"] if i.get("type") == "function_call"]
+        [result] = [i["output"] for i in body["input"] if i.get("type") == "function_call_output"
+                    and i["call_id"] == call["call_id"]]
+        return json.loads(call["arguments"]), json.loads(result)
+    blocks = [b for m in body["messages"] if isinstance(m["content"], list) for b in m["content"]]
+    [call] = [b for b in blocks if b["type"] == "tool_use"]
+    [result] = [b["content"] for b in blocks if b["type"] == "tool_result" and b["tool_use_id"] == call["id"]]
+    return call["input"], json.loads(result)
 
 
-@pytest.mark.parametrize("name", ["chat object", "chat object streamed", "responses object"])
+@pytest.mark.parametrize("name", ["chat object", "chat object streamed", "responses object", "messages object"])
 def test_an_object_is_the_servers_json(pd_server, scenarios, name):
     s = scenarios[name]
     [request] = s["requests"]
     answer = replay(pd_server, request)
-    step = chat_step(answer) if request["path"] == "/v1/chat/completions" else responses_step(answer)
-    assert s["object"] == json.loads(step["text"])
+    step = STEP[request["path"]](answer)
+    if request["path"] == "/v1/messages":  # the Anthropic provider asks for the object as a tool's input
+        assert [c["name"] for c in step["toolCalls"]] == ["json"]
+        assert s["object"] == step["toolCalls"][0]["input"]
+    else:
+        assert s["object"] == json.loads(step["text"])
     assert set(s["object"]) == {"name", "age"} and isinstance(s["object"]["age"], int)

@@ -73,6 +73,19 @@ def test_a_streamed_message_is_the_same_message(client):
     assert final.usage.cache_read_input_tokens > 0
 
 
+def test_a_cache_salt_shares_cached_blocks_only_with_its_own(client):
+    """vLLM's `cache_salt`, in the SDK's `extra_body` as on chat."""
+    ask = dict(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "Name a planet, " + "and " * 40}])
+
+    def cached(salt: str) -> int:
+        m = client.messages.create(**ask, extra_body={"temperature": 0, "cache_salt": salt})
+        return m.usage.cache_read_input_tokens
+
+    assert cached("tenant-a") == 0  # nothing under this salt yet, though the prompt may be cached unsalted
+    assert cached("tenant-a") > 0
+    assert cached("tenant-b") == 0
+
+
 def test_a_stop_sequence_is_named(client, chat):
     question = [{"role": "user", "content": "Count from 1 to 10."}]
     c = chat.chat.completions.create(model=MODEL, messages=question, max_tokens=60, temperature=0)

@@ -1,12 +1,13 @@
-// The Vercel AI SDK (`ai` with its OpenAI-compatible and OpenAI providers) as a client of pdserve,
-// run by tests/frontend/test_ai_sdk_e2e.py: `node client.mjs BASE_URL MODEL API_KEY`.
+// The Vercel AI SDK (`ai` with its OpenAI-compatible, OpenAI and Anthropic providers) as a client
+// of pdserve, run by tests/frontend/test_ai_sdk_e2e.py: `node client.mjs BASE_URL MODEL API_KEY`.
 //
-// Each scenario is a call an agent app makes (text, tool calls, a tool loop, objects; chat and the
-// Responses API, streamed or not, greedy). It prints, as one JSON list, what the SDK made of each
+// Each scenario is a call an agent app makes (text, tool calls, a tool loop, objects; chat, the
+// Responses API and the Messages API, streamed or not, greedy). It prints, as one JSON list, what the SDK made of each
 // step and the request bodies the SDK sent, which the test replays to compare with the server's
 // own answer. Every request gets its own `cache_salt` (the SDK's body is otherwise unchanged):
 // nothing comes from the prefix cache, so the replay computes exactly what the SDK's request did.
 import { generateObject, generateText, stepCountIs, streamObject, streamText, tool } from 'ai';
+import { createAnthropic } from '@ai-sdk/anthropic';
 import { createOpenAI } from '@ai-sdk/openai';
 import { createOpenAICompatible } from '@ai-sdk/openai-compatible';
 import { z } from 'zod';
@@ -25,6 +26,7 @@ async function recordingFetch(url, init) {
 const compat = createOpenAICompatible({ name: 'pdserve', baseURL, apiKey, includeUsage: true,
                                         supportsStructuredOutputs: true, fetch: recordingFetch });
 const openai = createOpenAI({ baseURL, apiKey, fetch: recordingFetch });
+const anthropic = createAnthropic({ baseURL, apiKey, fetch: recordingFetch });
 
 const weather = tool({
   description: 'The weather in a city',
@@ -84,6 +86,16 @@ const scenarios = {
     prepareStep: callThenAnswer, stopWhen: stepCountIs(2), maxOutputTokens: 24, temperature: 0 })),
   'responses object': async () => {
     const r = await generateObject({ model: openai.responses(model), prompt: 'Describe a person.', schema: person,
+                                     maxOutputTokens: 60, temperature: 0 });
+    return { object: r.object, steps: [] };
+  },
+  'messages text streamed': async () => streamed(streamText({
+    model: anthropic(model), system: 'Answer briefly.', prompt: 'Name a fruit.', maxOutputTokens: 12, temperature: 0 })),
+  'messages tool loop streamed': async () => streamed(streamText({
+    model: anthropic(model), prompt: 'What is the weather in Lima?', tools: { weather },
+    prepareStep: callThenAnswer, stopWhen: stepCountIs(2), maxOutputTokens: 24, temperature: 0 })),
+  'messages object': async () => {
+    const r = await generateObject({ model: anthropic(model), prompt: 'Describe a person.', schema: person,
                                      maxOutputTokens: 60, temperature: 0 });
     return { object: r.object, steps: [] };
   },
