@@ -119,7 +119,9 @@ def arguments_schema(parameters: Any) -> dict[str, Any]:
     """The schema a call's arguments follow: the tool's `parameters` (left out or `{}`: no
     parameters, as OpenAI reads it), with only the listed properties when it lists some and says
     nothing of others (as OpenAI's strict mode has it): no extra keys for a model to wander into."""
-    schema = dict(parameters) if isinstance(parameters, Mapping) and parameters else {"type": "object", "properties": {}}
+    if not isinstance(parameters, Mapping) or not parameters:
+        return {"type": "object", "properties": {}, "additionalProperties": False}
+    schema = dict(parameters)
     if "properties" in schema and "additionalProperties" not in schema:
         schema["additionalProperties"] = False
     return schema

@@ -82,7 +82,8 @@ def test_a_json_call_writes_only_the_listed_parameters_and_none_where_none_are_g
         grammars, tokenizer, parameters) -> None:
     """OpenAI reads a function without `parameters` as one without parameters, and a schema that
     lists properties as taking those (the call syntaxes' grammars hold calls to the same)."""
-    tools = [{"type": "function", "function": {"name": "now", **({} if parameters is None else {"parameters": parameters})}},
+    now = {"name": "now"} if parameters is None else {"name": "now", "parameters": parameters}
+    tools = [{"type": "function", "function": now},
              {"type": "function", "function": {"name": "get_weather", "parameters": {
                  "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
     schema = tool_call_schema(tools, None, parallel=False)
