@@ -91,6 +91,24 @@ def served(server, scenario: dict) -> list[dict]:
     return [STEP[r["path"]](replay(server, r)) for r in scenario["requests"]]
 
 
+def sent_back(request: dict) -> tuple[dict, dict]:
+    """The one call a request carries and the result paired with it by id, in its API's shapes."""
+    body = request["body"]
+    if request["path"] == "/v1/chat/completions":
+        [call] = [c for m in body["messages"] if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+        [result] = [m["content"] for m in body["messages"] if m.get("tool_call_id") == call["id"]]
+        return json.loads(call["function"]["arguments"]), json.loads(result)
+    if request["path"] == "/v1/responses":
+        [call] = [i for i in body["input"] if i.get("type") == "function_call"]
+        [result] = [i["output"] for i in body["input"] if i.get("type") == "function_call_output"
+                    and i["call_id"] == call["call_id"]]
+        return json.loads(call["arguments"]), json.loads(result)
+    blocks = [b for m in body["messages"] if isinstance(m["content"], list) for b in m["content"]]
+    [call] = [b for b in blocks if b["type"] == "tool_use"]
+    [result] = [b["content"] for b in blocks if b["type"] == "tool_result" and b["tool_use_id"] == call["id"]]
+    return call["input"], json.loads(result)
+
+
 @pytest.mark.parametrize("name", ["chat text", "chat text streamed", "responses text", "messages text streamed"])
 def test_text_is_the_servers_answer(pd_server, scenarios, name):
     s = scenarios[name]
@@ -124,24 +142,6 @@ def test_a_tool_loop_sends_the_result_back_and_answers_it(pd_server, scenarios, 
     # the second request carries the call and the tool's result, in the API's own shapes
     city = call["toolCalls"][0]["input"]["city"]
     assert sent_back(s["requests"][1]) == ({"city": city}, {"city": city, "celsius": 21})
-
-
-def sent_back(request: dict) -> tuple[dict, dict]:
-    """The one call a request carries and the result paired with it by id, in its API's shapes."""
-    body = request["body"]
-    if request["path"] == "/v1/chat/completions":
-        [call] = [c for m in body["messages"] if m["role"] == "assistant" for c in m.get("tool_calls") or []]
-        [result] = [m["content"] for m in body["messages"] if m.get("tool_call_id") == call["id"]]
-        return json.loads(call["function"]["arguments"]), json.loads(result)
-    if request["path"] == "/v1/responses":
-        [call] = [i for i in body["input"] if i.get("type") == "function_call"]
-        [result] = [i["output"] for i in body["input"] if i.get("type") == "function_call_output"
-                    and i["call_id"] == call["call_id"]]
-        return json.loads(call["arguments"]), json.loads(result)
-    blocks = [b for m in body["messages"] if isinstance(m["content"], list) for b in m["content"]]
-    [call] = [b for b in blocks if b["type"] == "tool_use"]
-    [result] = [b["content"] for b in blocks if b["type"] == "tool_result" and b["tool_use_id"] == call["id"]]
-    return call["input"], json.loads(result)
 
 
 @pytest.mark.parametrize("name", ["chat object", "chat object streamed", "responses object", "messages object"])
