@@ -1,11 +1,11 @@
 """The Vercel AI SDK (`ai` 6 with `@ai-sdk/openai-compatible`, `@ai-sdk/openai` and
 `@ai-sdk/anthropic`, Node.js) as a client of `pdserve serve --mode pd` (the session's server):
-text, tool calls, a tool loop and objects, over chat completions, the Responses API and the
-Messages API, streamed and not.
+text, tool calls, a tool loop, objects and a refusal, over chat completions, the Responses API
+and the Messages API, streamed and not.
 
 `ai_sdk/client.mjs` runs the calls and prints what the SDK made of each step, with the request
 bodies it sent. Each body is sent again here, not streamed: the SDK must report exactly the
-server's answer to it (text, calls, finish reason, token counts). Every request carries its own
+server's answer to it (text, calls, finish reason, token counts, or the error's status and message). Every request carries its own
 `cache_salt`, so both compute the whole prompt and greedy decoding gives the same tokens."""
 from __future__ import annotations
 
@@ -156,3 +156,17 @@ def test_an_object_is_the_servers_json(pd_server, scenarios, name):
     else:
         assert s["object"] == json.loads(step["text"])
     assert set(s["object"]) == {"name", "age"} and isinstance(s["object"]["age"], int)
+
+
+def test_a_refusal_is_the_servers_error_streamed_or_not(pd_server, scenarios):
+    """A request over the context is a 400 the SDK raises with the server's own message (a
+    stream's status waits for its first event, so streaming changes nothing)."""
+    s = scenarios["refusals"]
+    assert len(s["requests"]) == len(s["refusals"]) == 8  # four providers, streamed and not
+    for request, got in zip(s["requests"], s["refusals"]):
+        body = {k: v for k, v in request["body"].items() if k not in ("stream", "stream_options")}
+        r = httpx.post(pd_server.url + request["path"], json=body, timeout=60,
+                       headers={"Authorization": f"Bearer {API_KEY}"})
+        assert r.status_code == 400
+        assert (got["status"], got["message"]) == (400, r.json()["error"]["message"]), request["path"]
+        assert "maximum context length" in got["message"]

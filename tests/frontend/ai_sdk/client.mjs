@@ -99,6 +99,26 @@ const scenarios = {
                                      maxOutputTokens: 60, temperature: 0 });
     return { object: r.object, steps: [] };
   },
+  'refusals': async () => {
+    // a request over the context: the SDK raises the server's 400 with its message, streamed or not
+    const refusals = [];
+    for (const provider of [compat(model), openai.chat(model), openai.responses(model), anthropic(model)]) {
+      for (const stream of [false, true]) {
+        const ask = { model: provider, prompt: 'Say hello.', maxOutputTokens: 100000, maxRetries: 0 };
+        try {
+          if (stream) {
+            for await (const p of streamText({ ...ask, onError: () => {} }).fullStream) if (p.type === 'error') throw p.error;
+          } else {
+            await generateText(ask);
+          }
+          refusals.push({ stream, status: null, message: null });
+        } catch (e) {
+          refusals.push({ stream, status: e.statusCode ?? null, message: e.message });
+        }
+      }
+    }
+    return { refusals, steps: [] };
+  },
 };
 
 const out = [];
