@@ -14,14 +14,21 @@ that order, so the decoder reads the document as it arrives, as the call-syntax 
 An output cut by ``max_tokens`` ends like any cut call (docs/tool-calls.md): a started call is
 returned as far as it got, with ``finish_reason`` "length"; a call cut inside its name is
 reported (``InvalidCall``), never returned. Nothing of the JSON ever reaches ``content``.
+
+With ``tool_choice`` "auto" and a JSON ``response_format`` the grammar is the union of that
+call document and the answer (``tools.ToolPolicy.call_grammar``), and ``CallOrAnswerDecoder``
+holds the output back until its opening tells which one the model writes: a call document
+opens with ``{"name":"<a tool>","arguments":`` (``[`` first for parallel calls), which an
+answer in any other shape cannot.
 """
 from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Iterable
 from enum import Enum
 
-from pdserve.frontend.output import OutputDelta, Part
+from pdserve.frontend.output import OutputDecoder, OutputDelta, Part
 from pdserve.parsers import Diag, InvalidCall, ToolCallArgs, ToolCallEnd, ToolCallStart
 from pdserve.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -178,3 +185,58 @@ class JsonCallDecoder:
         parts += self._reader.end(reason)
         self.finish_reason = "tool_calls" if self._reader.done else reason
         return OutputDelta(parts=parts)
+
+
+def call_openers(names: Iterable[str], parallel: bool) -> list[str]:
+    """How a JSON call document of these tools opens, up to its first call's arguments."""
+    head = "[" if parallel else ""
+    return [f'{head}{{{_NAME_KEY}{json.dumps(name, ensure_ascii=False)}{_ARGS_KEY}' for name in names]
+
+
+class CallOrAnswerDecoder:
+    """An ``OutputDecoder`` for a JSON call document or an answer in a response_format: the
+    tokens are held until the text either opens a call document (``call_openers``) or can no
+    longer open one, then replayed into the decoder of that kind, which reads the rest."""
+
+    def __init__(self, tokenizer: Tokenizer, openers: list[str], answer: OutputDecoder) -> None:
+        self._text = IncrementalDetokenizer(tokenizer, skip_special_tokens=True)
+        self._openers = openers
+        self._calls = JsonCallDecoder(tokenizer)
+        self._answer = answer
+        self._seen = ""
+        self._held: list[int] = []
+        self._chosen: OutputDecoder | None = None
+        self.finish_reason: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        return self._chosen is not None and self._chosen.stopped
+
+    @property
+    def stop_sequence(self) -> str | None:
+        return self._chosen.stop_sequence if self._chosen is not None else None
+
+    def push(self, token_id: int) -> OutputDelta:
+        if self._chosen is not None:
+            return self._chosen.push(token_id)
+        self._held.append(token_id)
+        self._seen += self._text.push(token_id)
+        if any(self._seen.startswith(o) for o in self._openers):
+            return self._choose(self._calls)
+        if any(o.startswith(self._seen) for o in self._openers):
+            return OutputDelta()  # still the opening of a call document, or of an answer
+        return self._choose(self._answer)
+
+    def finish(self, reason: str = "stop") -> OutputDelta:
+        delta = self._choose(self._answer) if self._chosen is None else OutputDelta()
+        assert self._chosen is not None
+        delta.extend(self._chosen.finish(reason))
+        self.finish_reason = self._chosen.finish_reason
+        return delta
+
+    def _choose(self, decoder: OutputDecoder) -> OutputDelta:
+        self._chosen, held, self._held = decoder, self._held, []
+        delta = OutputDelta()
+        for token_id in held:
+            delta.extend(decoder.push(token_id))
+        return delta

@@ -37,7 +37,7 @@ from pdserve.frontend.admission import Admission
 from pdserve.frontend.config import RouterConfig
 from pdserve.frontend.errors import (RETRY_AFTER_S, APIError, body_for, context_too_long, invalid, model_not_found,
                                      unavailable)
-from pdserve.frontend.json_calls import JsonCallDecoder
+from pdserve.frontend.json_calls import CallOrAnswerDecoder, JsonCallDecoder, call_openers
 from pdserve.frontend.output import ChatOutput, OutputDecoder, completion_decoder
 from pdserve.frontend.prompts import PromptBuilder
 from pdserve.frontend.protocol import (ChatCompletionRequest, CompletionRequest, GenerationFields, MessagesRequest,
@@ -164,12 +164,20 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: C
         include_usage=req.include_usage, continuous_usage=req.continuous_usage, top_logprobs=req.top_n,
         prompt_ids=prompt.ids if req.return_token_ids else None, tokens_as_ids=req.return_tokens_as_token_ids,
         calls_only=policy.required and constraint is not None and constraint[1] == "tools")
-    if constraint is not None and json_calls(constraint[1], s.output.profile):  # JSON calls (json_calls.py)
-        return await respond(s, call, specs, lambda _: JsonCallDecoder(s.tokenizer), renderer, req.stream)
-    return await respond(s, call, specs,
-                         lambda spec: s.output.decoder(spec.prompt_ids, stop, policy, stop_ids,
-                                                      req.include_stop_str_in_output, req.skip_special_tokens),
-                         renderer, req.stream)
+
+    calls = constraint is not None and json_calls(constraint[1], s.output.profile)  # JSON calls (json_calls.py)
+
+    def decoder(spec: ChoiceSpec) -> OutputDecoder:
+        if calls and policy.answer is None:
+            return JsonCallDecoder(s.tokenizer)
+        text = s.output.decoder(spec.prompt_ids, stop, policy, stop_ids, req.include_stop_str_in_output,
+                                req.skip_special_tokens)
+        if calls:  # or an answer in response_format
+            names = [t["function"]["name"] for t in policy.prompt_tools or []]
+            return CallOrAnswerDecoder(s.tokenizer, call_openers(names, policy.parallel), text)
+        return text
+
+    return await respond(s, call, specs, decoder, renderer, req.stream)
 
 
 async def create_response(s: Serving, req: ResponsesRequest, call: Call) -> Response:

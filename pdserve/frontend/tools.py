@@ -18,6 +18,12 @@ end of a choice.
 * `"auto"` with every tool `strict: true`, on a model with a call syntax: free text (reasoning
   markers included), and any call the model writes follows its tool's schema from its marker
   on. Otherwise "auto" is not constrained.
+* `"auto"` with a JSON `response_format` (an agent with tools and a typed final answer): the
+  model calls tools, or answers in the format. `response_format` shapes the text answer, as
+  at OpenAI, so the grammar is the union of the calls and the answer; on a model without a
+  call syntax, of a JSON call document and the answer (`json_calls.CallOrAnswerDecoder` tells
+  them apart by the document's opening). With `"required"` or a named function the calls
+  leave no text answer, and `response_format` is set aside.
 * A `"required"` choice that still ends without a complete call (a reasoning section the
   model never closed) fails with a 500 error object (`code: "tool_choice_not_satisfied"`); one
   cut by `max_tokens` is answered as it is, with finish reason "length".
@@ -58,6 +64,8 @@ class ToolPolicy:
     separate_reasoning: bool
     # The request's parameter schemas: string values the model wrote take their schema's type.
     schemas: dict[str, dict[str, ParamSchema]] = field(default_factory=dict)
+    # "auto" with a JSON response_format: the format a text answer takes instead of calls
+    answer: GrammarSpec | None = None
 
     @classmethod
     def of(cls, req: ChatCompletionRequest) -> ToolPolicy:
@@ -65,14 +73,21 @@ class ToolPolicy:
         choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
         emit = bool(tools) and choice != "none"
         function = named_function(choice) if isinstance(choice, dict) else None
-        return cls(prompt_tools=tools if emit else None, emit=emit,
-                   required=choice == "required" or function is not None, function=function,
+        required = choice == "required" or function is not None
+        answer = None
+        if emit and not required:
+            try:
+                answer = from_response_format(req.response_format)
+            except SpecError:  # output_constraint answers it with a 400
+                pass
+        return cls(prompt_tools=tools if emit else None, emit=emit, required=required, function=function,
                    parallel=req.parallel_tool_calls is not False, separate_reasoning=req.separate_reasoning,
-                   schemas=tool_schemas(tools) if emit else {})
+                   schemas=tool_schemas(tools) if emit else {}, answer=answer)
 
     def call_grammar(self, profile: Profile, model_opens_reasoning: bool = False) -> GrammarSpec | None:
         """The grammar enforcing `"required"` or a named function: the model's own call syntax,
-        or JSON calls for a model without one; for "auto" with every tool `strict`, on a model
+        or JSON calls for a model without one; for "auto" with a JSON response_format, those
+        calls or the answer in that format; for "auto" with every tool `strict`, on a model
         with a call syntax, free text whose calls follow their schemas. None when nothing is
         enforced. A 400 naming tool_choice when the tools cannot be written in the model's
         syntax."""
@@ -81,15 +96,18 @@ class ToolPolicy:
         strict = tools_strict(self.prompt_tools, self.function)
         # "auto": a call is optional; with every tool strict, calls in the model's own syntax
         # are still held to their schemas (free text around them)
-        optional = not self.required and strict and profile.format is not Format.PLAIN
-        if not self.required and not optional:
+        optional = not self.required and strict and profile.format is not Format.PLAIN and self.answer is None
+        if not self.required and not optional and self.answer is None:
             return None
         if profile.format is Format.PLAIN:
             schema = tool_call_schema(self.prompt_tools, self.function, self.parallel)
+            if self.answer is not None:
+                schema = {"anyOf": [schema, json.loads(self.answer.value)]}
+                strict = strict and self.answer.strict
             return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")), strict=strict)
         try:
             lark = call_syntax_grammar(profile, self.prompt_tools, self.function, self.parallel,
-                                       model_opens_reasoning, optional)
+                                       model_opens_reasoning, optional, self.answer)
         except ToolGrammarError as e:
             raise invalid(f"tool_choice cannot be enforced in {profile.name}'s tool-call syntax: {e}",
                           "tool_choice") from None
@@ -155,8 +173,13 @@ def output_constraint(req: GenerationFields, policy: ToolPolicy | None, profile:
     except SpecError as e:
         raise invalid(str(e), e.param) from None
     calls = policy.call_grammar(profile) if policy is not None else None
-    if calls is not None and policy is not None and (policy.required or not found):
-        found.append((calls, "tools"))  # "auto"'s optional calls give way to response_format
+    if calls is not None and policy is not None:
+        if policy.required or policy.answer is not None:
+            # response_format shapes a text answer: forced calls leave none, and "auto"'s
+            # grammar already holds the answer's format
+            found = [f for f in found if f[1] != "response_format"]
+        if policy.required or policy.answer is not None or not found:
+            found.append((calls, "tools"))  # "auto"'s optional calls give way to structured_outputs
     if len(found) > 1:
         raise invalid(f"only one output constraint per request: {' and '.join(p for _, p in found)} both ask "
                       "for one", found[1][1])

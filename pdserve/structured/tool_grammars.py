@@ -26,6 +26,8 @@ lenient schema mode (unsupported keywords ignored), as JSON calls do.
 
 `tool_choice: "auto"` with every tool strict gets the `optional` form: free text (reasoning
 markers included) with calls anywhere in it, each held to its schema from its marker on.
+"auto" with a JSON `response_format` gets the `answer` form: the calls, or instead of them the
+answer in that format (compact JSON, as `response_format` alone writes it).
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ from typing import Any
 
 from pdserve.parsers.profiles import Format, Profile
 from pdserve.structured.spec import arguments_schema, call_schema
+from pdserve.worker_api import GrammarKind, GrammarSpec
 
 # Keywords a raw (unquoted) string value can honour: anything else on a string goes through
 # the JSON schema (DSML) or is refused (GLM, which writes every string raw).
@@ -69,13 +72,15 @@ class Param:
 
 
 def call_syntax_grammar(profile: Profile, tools: Sequence[Mapping[str, Any]], function: str | None,
-                        parallel: bool, model_opens_reasoning: bool = False, optional: bool = False) -> str:
+                        parallel: bool, model_opens_reasoning: bool = False, optional: bool = False,
+                        answer: GrammarSpec | None = None) -> str:
     """The Lark grammar of the calls `tool_choice` asks for, in `profile`'s own syntax: a call to
     `function` (exactly one), or with `function` None one or more calls of any tool (one when
     `parallel` is false). `model_opens_reasoning`: the prompt leaves the reasoning section to
     the model, so one reasoning block (`<think>…</think>`) may come before the calls.
     `optional` ("auto" with strict tools): free text, with calls anywhere in it (at most one
-    without `parallel`); only a call, once its marker is written, is constrained."""
+    without `parallel`); only a call, once its marker is written, is constrained. `answer` (a
+    JSON schema spec: "auto" with a response_format): the calls, or that answer instead."""
     chosen = [Tool.of(t) for t in tools]
     if function is not None:
         chosen = [t for t in chosen if t.name == function]
@@ -88,6 +93,9 @@ def call_syntax_grammar(profile: Profile, tools: Sequence[Mapping[str, Any]], fu
     if optional:
         return g.text(_optional_calls(g, profile, chosen, parallel))
     calls = writer(g, profile, chosen, parallel and function is None)
+    if answer is not None:
+        assert answer.kind is GrammarKind.JSON_SCHEMA
+        calls = f"({calls} | {g.json('answer', json.loads(answer.value), answer.strict, compact=True)})"
     if model_opens_reasoning and profile.think is not None:
         g.rule("reasoning", f"{tok(profile.think.start)} REASONING {tok(profile.think.end)} {NL}? {NL}?")
         g.terminal("REASONING", "/(?s:.*)/")
@@ -144,9 +152,12 @@ class _Lark:
         self._terminals[name] = body
         return name
 
-    def json(self, name: str, schema: Any, strict: bool) -> str:
-        """A rule for one JSON value of `schema`, compact with `", "` and `": "`."""
-        options = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": not strict}
+    def json(self, name: str, schema: Any, strict: bool, compact: bool = False) -> str:
+        """A rule for one JSON value of `schema` with `", "` and `": "` (as the chat templates
+        write calls), or with `compact`, `","` and `":"` (as a response_format is written)."""
+        sep = (",", ":") if compact else (", ", ": ")
+        options = {"whitespace_flexible": False, "item_separator": sep[0], "key_separator": sep[1],
+                   "lenient": not strict}
         if schema is True:
             schema = {}
         if not isinstance(schema, Mapping):

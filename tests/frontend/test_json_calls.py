@@ -1,6 +1,7 @@
 """The JSON-call reader (pdserve/frontend/json_calls.py): a grammar-constrained call document
 read as it arrives, against the document itself (json.loads) for every chunking and every
-cut, and through the default model's real tokenizer one token id at a time."""
+cut, and through the default model's real tokenizer one token id at a time; and the decoder
+that tells a call document from an answer in a response_format by its opening."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdserve.frontend.json_calls import JsonCallDecoder, JsonCallReader
+from pdserve.frontend.json_calls import CallOrAnswerDecoder, JsonCallDecoder, JsonCallReader, call_openers
+from pdserve.frontend.output import TextDecoder
 from pdserve.parsers import ContentDelta, InvalidCall, ToolCallArgs, ToolCallEnd, ToolCallStart
 from pdserve.parsers.aggregate import aggregate
 from pdserve.tokenizer import Tokenizer
@@ -187,3 +189,66 @@ def test_the_decoder_cut_by_the_limit_answers_length_with_the_call_so_far(defaul
     call, = agg.tool_calls
     assert call.name == "get_weather" and not call.complete
     assert '{"city":"Paris"}'.startswith(call.arguments) and call.arguments != '{"city":"Paris"}'
+
+
+# ---- a call document or an answer in a response_format ------------------------------------------
+
+NAMES = ["get_weather", "get_time"]
+# What the default model's tokenizer gives back as it was: its vocabulary has no byte tokens for
+# the UTF-8 lead bytes of planes 4 and up (U+40000…), which it encodes as an unknown token.
+TEXT = st.text(st.characters(max_codepoint=0x3FFFF, exclude_categories=("Cs",)), max_size=6)
+VALUES = st.recursive(st.none() | st.booleans() | st.integers(-10**6, 10**6) | TEXT,
+                      lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+                      max_leaves=10)
+
+
+@pytest.fixture(scope="module")
+def default_tokenizer(default_model_dir) -> Tokenizer:
+    return Tokenizer(default_model_dir)
+
+
+def call_or_answer(tokenizer: Tokenizer, text: str, parallel: bool, reason: str = "stop") -> tuple[Any, str]:
+    """The text's token ids through a CallOrAnswerDecoder, one at a time."""
+    answer = TextDecoder(tokenizer, [], ends=tokenizer.stop_token_ids)
+    decoder = CallOrAnswerDecoder(tokenizer, call_openers(NAMES, parallel), answer)
+    parts: list = []
+    for token_id in tokenizer.encode(text):
+        parts += decoder.push(token_id).parts
+    parts += decoder.finish(reason).parts
+    assert decoder.finish_reason is not None
+    return aggregate(parts), decoder.finish_reason
+
+
+# Answers that open as a call document would, up to where they cannot be one.
+LOOKALIKES = ['{"name":"get_weather"}', '{"name":"get_weather","args":{}}', '{"name":"get_weatherly","arguments":1}',
+              '[{"name":"get_time"}]', '{"name":"Alice","age":30}', "{", '{"na', "[", ""]
+
+
+@pytest.mark.parametrize("parallel", [True, False])
+def test_an_answer_that_opens_like_a_call_is_content_as_written(default_tokenizer, parallel):
+    for text in LOOKALIKES:
+        agg, reason = call_or_answer(default_tokenizer, text, parallel)
+        assert (agg.content, agg.tool_calls, agg.invalid_calls, reason) == (text, [], [], "stop"), text
+
+
+@settings(max_examples=100, deadline=None)
+@given(calls=st.lists(st.tuples(st.sampled_from(NAMES), st.dictionaries(TEXT, VALUES, max_size=3)),
+                      min_size=1, max_size=3),
+       answer=st.dictionaries(TEXT, VALUES, max_size=4), parallel=st.booleans(),
+       data=st.data())
+def test_calls_are_calls_and_answers_are_content_whole_or_cut(default_tokenizer, calls, answer, parallel, data):
+    calls = calls if parallel else calls[:1]
+    doc = document(calls, parallel)
+    agg, reason = call_or_answer(default_tokenizer, doc, parallel)
+    assert (reason, agg.content) == ("tool_calls", "")
+    assert [(c.name, c.arguments, c.complete) for c in agg.tool_calls] == \
+        [(name, compact(args), True) for name, args in calls]
+    text = compact(answer)
+    agg, reason = call_or_answer(default_tokenizer, text, parallel)
+    assert (reason, agg.content, agg.tool_calls) == ("stop", text, [])
+    # cut by the limit: a call document gives its started calls, anything else its text so far
+    ids = default_tokenizer.encode(doc)
+    cut = default_tokenizer.decode(ids[:data.draw(st.integers(0, len(ids) - 1))])
+    agg, reason = call_or_answer(default_tokenizer, cut, parallel, "length")
+    opened = any(cut.startswith(o) for o in call_openers(NAMES, parallel))
+    assert reason == "length" and agg.content == ("" if opened else cut)

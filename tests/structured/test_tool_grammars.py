@@ -335,12 +335,69 @@ def test_auto_with_strict_tools_allows_text_and_holds_each_call_to_its_schema(fa
     assert accepted(fam, single, fam.encode("A" + calls)) and not accepted(fam, single, fam.encode(calls + calls))
 
 
-def test_auto_is_constrained_only_when_every_tool_is_strict_and_gives_way_to_response_format(fam: Fam) -> None:
+def test_auto_is_constrained_only_when_every_tool_is_strict_or_with_a_response_format(fam: Fam) -> None:
     from pdserve.frontend.tools import ToolPolicy, output_constraint
 
     strict = [{**t, "function": {**t["function"], "strict": True}} for t in TOOLS]
     assert ToolPolicy.of(chat(tools=TOOLS)).call_grammar(fam.profile) is None
     req = chat(tools=strict)
     assert output_constraint(req, ToolPolicy.of(req), fam.profile)[1] == "tools"
-    req = chat(tools=strict, response_format={"type": "json_object"})
-    assert output_constraint(req, ToolPolicy.of(req), fam.profile)[1] == "response_format"
+    for tools in (TOOLS, strict):  # the calls, or the answer in the format: one grammar
+        req = chat(tools=tools, response_format={"type": "json_object"})
+        spec, field = output_constraint(req, ToolPolicy.of(req), fam.profile)
+        assert field == "tools" and '%json {"type": "object"' in spec.value
+    req = chat(tools=strict, structured_outputs={"regex": "[a-z]+"})  # the raw output's shape wins
+    assert output_constraint(req, ToolPolicy.of(req), fam.profile)[1] == "structured_outputs"
+
+
+# ---- "auto" with a response_format -----------------------------------------------------------------
+
+ANSWER = {"type": "object", "properties": {"city": {"type": "string"}, "summary": {"type": "string"}},
+          "required": ["city", "summary"], "additionalProperties": False}
+
+
+def answer_grammar(fam: Fam, opens_reasoning: bool = False, parallel: bool = True) -> Any:
+    from pdserve.frontend.tools import ToolPolicy
+
+    req = chat(tools=TOOLS, parallel_tool_calls=parallel, response_format={
+        "type": "json_schema", "json_schema": {"name": "weather", "schema": ANSWER, "strict": True}})
+    spec = ToolPolicy.of(req).call_grammar(fam.profile, model_opens_reasoning=opens_reasoning)
+    assert spec is not None
+    return fam.grammars.compile(spec)
+
+
+def test_auto_with_a_response_format_writes_calls_or_the_answer_in_its_format(fam: Fam) -> None:
+    compiled = answer_grammar(fam)
+    answer = json.dumps({"city": "Paris", "summary": "Sunny"}, separators=(",", ":"))
+    for calls in VALID.values():
+        assert accepted(fam, compiled, fam.encode(render(fam, calls)))
+    assert accepted(fam, compiled, fam.encode(answer))
+    refused = ["Sunny in Paris.", json.dumps({"city": "Paris", "summary": "Sunny"}),  # not compact
+               '{"city":"Paris"}', answer + render(fam, VALID["V01"]), "Let me check." + render(fam, VALID["V01"]),
+               render(fam, [("get_weather", {"days": 3})])]
+    for text in refused:
+        assert not accepted(fam, compiled, fam.encode(text)), text
+    single = answer_grammar(fam, parallel=False)
+    assert not accepted(fam, single, fam.encode(render(fam, VALID["V03"])))
+    assert accepted(fam, single, fam.encode(render(fam, VALID["V01"])))
+    think = fam.profile.think
+    if think is not None:  # a model that opens its reasoning itself may, before either
+        reasoning = [think.start, *fam.encode("Plan."), think.end]
+        left = answer_grammar(fam, opens_reasoning=True)
+        assert accepted(fam, left, [*reasoning, *fam.encode(answer)])
+        assert accepted(fam, left, [*reasoning, *fam.encode(render(fam, VALID["V01"]))])
+
+
+def test_a_forced_call_sets_response_format_aside_but_not_structured_outputs(fam: Fam) -> None:
+    from pdserve.frontend.errors import APIError
+    from pdserve.frontend.tools import ToolPolicy, output_constraint
+
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        alone = chat(tools=TOOLS, tool_choice=choice)
+        req = chat(tools=TOOLS, tool_choice=choice, response_format={"type": "json_object"})
+        assert output_constraint(req, ToolPolicy.of(req), fam.profile) == \
+            output_constraint(alone, ToolPolicy.of(alone), fam.profile)
+        req = chat(tools=TOOLS, tool_choice=choice, structured_outputs={"regex": "[a-z]+"})
+        with pytest.raises(APIError) as e:
+            output_constraint(req, ToolPolicy.of(req), fam.profile)
+        assert (e.value.status, e.value.param) == (400, "tools") and "only one output constraint" in str(e.value)
