@@ -94,10 +94,10 @@ class ToolPolicy:
         if not self.prompt_tools:
             return None
         strict = tools_strict(self.prompt_tools, self.function)
-        # "auto": a call is optional; with every tool strict, calls in the model's own syntax
-        # are still held to their schemas (free text around them)
-        optional = not self.required and strict and profile.format is not Format.PLAIN and self.answer is None
-        if not self.required and not optional and self.answer is None:
+        # "auto" without a response_format: a call is optional; with every tool strict, calls in
+        # the model's own syntax are still held to their schemas (free text around them)
+        optional = not self.required and self.answer is None
+        if optional and (not strict or profile.format is Format.PLAIN):
             return None
         if profile.format is Format.PLAIN:
             schema = tool_call_schema(self.prompt_tools, self.function, self.parallel)

@@ -1,7 +1,7 @@
 """The Vercel AI SDK (`ai` 6 with `@ai-sdk/openai-compatible`, `@ai-sdk/openai` and
 `@ai-sdk/anthropic`, Node.js) as a client of `pdserve serve --mode pd` (the session's server):
-text, tool calls, a tool loop, objects and a refusal, over chat completions, the Responses API
-and the Messages API, streamed and not.
+text, tool calls, a tool loop, objects, an agent with tools and a typed answer, and a refusal,
+over chat completions, the Responses API and the Messages API, streamed and not.
 
 `ai_sdk/client.mjs` runs the calls and prints what the SDK made of each step, with the request
 bodies it sent. Each body is sent again here, not streamed: the SDK must report exactly the
@@ -156,6 +156,25 @@ def test_an_object_is_the_servers_json(pd_server, scenarios, name):
     else:
         assert s["object"] == json.loads(step["text"])
     assert set(s["object"]) == {"name", "age"} and isinstance(s["object"]["age"], int)
+
+
+@pytest.mark.parametrize("name", ["chat agent with an output object", "responses agent with an output object streamed"])
+def test_an_agent_with_tools_and_an_output_object_calls_then_answers_in_it(pd_server, scenarios, name):
+    """Every step sends the tools and the object's format, tool_choice "auto": the model calls
+    the tool, the SDK sends its result back, and the next step answers with the object."""
+    s = scenarios[name]
+    assert len(s["requests"]) == 2
+    for request in s["requests"]:
+        body = request["body"]
+        fmt = body["response_format"]["json_schema"] if "response_format" in body else body["text"]["format"]
+        assert (body["tool_choice"], fmt["schema"]["required"]) == ("auto", ["city", "summary"])
+    assert s["steps"] == served(pd_server, s)
+    call, answer = s["steps"]
+    assert (call["finishReason"], [c["name"] for c in call["toolCalls"]]) == ("tool-calls", ["weather"])
+    assert (answer["finishReason"], answer["toolCalls"]) == ("stop", [])
+    assert s["object"] == json.loads(answer["text"]) and set(s["object"]) == {"city", "summary"}
+    city = call["toolCalls"][0]["input"]["city"]
+    assert sent_back(s["requests"][1]) == ({"city": city}, {"city": city, "celsius": 21})
 
 
 def test_a_refusal_is_the_servers_error_streamed_or_not(pd_server, scenarios):

@@ -1,12 +1,13 @@
 // The Vercel AI SDK (`ai` with its OpenAI-compatible, OpenAI and Anthropic providers) as a client
 // of pdserve, run by tests/frontend/test_ai_sdk_e2e.py: `node client.mjs BASE_URL MODEL API_KEY`.
 //
-// Each scenario is a call an agent app makes (text, tool calls, a tool loop, objects; chat, the
-// Responses API and the Messages API, streamed or not, greedy). It prints, as one JSON list, what the SDK made of each
-// step and the request bodies the SDK sent, which the test replays to compare with the server's
-// own answer. Every request gets its own `cache_salt` (the SDK's body is otherwise unchanged):
-// nothing comes from the prefix cache, so the replay computes exactly what the SDK's request did.
-import { generateObject, generateText, stepCountIs, streamObject, streamText, tool } from 'ai';
+// Each scenario is a call an agent app makes (text, tool calls, a tool loop, objects, an agent
+// with tools and a typed answer; chat, the Responses API and the Messages API, streamed or not,
+// greedy). It prints, as one JSON list, what the SDK made of each step and the request bodies
+// the SDK sent, which the test replays to compare with the server's own answer. Every request
+// gets its own `cache_salt` (the SDK's body is otherwise unchanged): nothing comes from the
+// prefix cache, so the replay computes exactly what the SDK's request did.
+import { Output, generateObject, generateText, stepCountIs, streamObject, streamText, tool } from 'ai';
 import { createAnthropic } from '@ai-sdk/anthropic';
 import { createOpenAI } from '@ai-sdk/openai';
 import { createOpenAICompatible } from '@ai-sdk/openai-compatible';
@@ -34,6 +35,7 @@ const weather = tool({
   execute: async ({ city }) => ({ city, celsius: 21 }),
 });
 const person = z.object({ name: z.string(), age: z.number().int() });
+const report = z.object({ city: z.string().max(20), summary: z.string().max(40) });
 const callThenAnswer = ({ stepNumber }) => ({ toolChoice: stepNumber === 0 ? 'required' : 'none' });
 
 function stepOf(s) {
@@ -78,6 +80,20 @@ const scenarios = {
                              maxOutputTokens: 60, temperature: 0 });
     for await (const _ of r.partialObjectStream) { /* the partial objects */ }
     return { object: await r.object, steps: [] };
+  },
+  // an agent with tools and a typed answer: tools and a response_format in every step, no tool_choice
+  'chat agent with an output object': async () => {
+    const r = await generateText({ model: compat(model), prompt: 'What is the weather in Paris?', tools: { weather },
+                                   output: Output.object({ schema: report }), stopWhen: stepCountIs(3),
+                                   maxOutputTokens: 60, temperature: 0 });
+    return { object: r.output, steps: r.steps.map(stepOf) };
+  },
+  'responses agent with an output object streamed': async () => {
+    const r = streamText({ model: openai.responses(model), prompt: 'What is the weather in Paris?', tools: { weather },
+                           output: Output.object({ schema: report }), stopWhen: stepCountIs(3),
+                           maxOutputTokens: 60, temperature: 0 });
+    const s = await streamed(r);
+    return { object: await r.output, ...s };
   },
   'responses text': async () => ({ steps: (await generateText({
     model: openai.responses(model), prompt: 'Say hello.', maxOutputTokens: 16, temperature: 0 })).steps.map(stepOf) }),
