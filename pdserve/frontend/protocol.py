@@ -262,6 +262,11 @@ class ChatCompletionRequest(GenerationFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's, and DeepSeek's "max": the template's `reasoning_effort` unless chat_template_kwargs set it
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    # Asked for to be refused, not ignored: audio output, and the function calling that tools replaced
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     @classmethod
     def converted(cls, fields: dict[str, Any], names: dict[str, str]) -> ChatCompletionRequest:
@@ -280,6 +285,28 @@ class ChatCompletionRequest(GenerationFields):
     def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         for i, tool in enumerate(v or ()):
             check_tool(tool, i)
+        return v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_only(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and set(v) - {"text"}:
+            raise ValueError(f"only text output is supported, got modalities {v}")
+        return v
+
+    @field_validator("audio")
+    @classmethod
+    def _no_audio(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            raise ValueError("audio output is not supported")
+        return v
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_functions(cls, v: Any) -> Any:
+        if v not in (None, [], "none", "auto"):  # what a client sends with no functions changes nothing
+            raise ValueError("functions and function_call (deprecated by OpenAI) are not supported: "
+                             "send tools and tool_choice")
         return v
 
     @field_validator("tool_choice")
@@ -394,6 +421,7 @@ class ResponsesRequest(BaseModel):
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
+    prompt: dict[str, Any] | None = None  # a prompt template stored at OpenAI: refused
     include: list[str] | None = None  # "message.output_text.logprobs": the text's tokens' logprobs
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives to each of those
     cache_salt: str | None = None  # vLLM's, as on chat
@@ -406,6 +434,8 @@ class ResponsesRequest(BaseModel):
                              "continue a stored response with previous_response_id")
         if self.background:
             raise ValueError("background responses are not supported")
+        if self.prompt is not None:
+            raise ValueError("prompt templates are not supported: send the instructions and input")
         unknown = [v for v in self.include or () if v not in RESPONSES_INCLUDE_NOOP and v != OUTPUT_LOGPROBS]
         if unknown:
             raise ValueError(f"unknown include value(s): {', '.join(map(repr, unknown))}")
