@@ -45,6 +45,9 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 def chat_request(req: MessagesRequest, stream: bool | None = None) -> ChatCompletionRequest:
     """The chat request that answers `req`; 400 (naming the Messages field) when a block, a
     tool or the tool choice cannot be expressed."""
+    if req.mcp_servers:  # as server tools: the model would be told of tools nobody runs
+        raise invalid("MCP servers are not supported: connect them in the client and send their tools as "
+                      "client tools", "mcp_servers")
     messages: list[dict[str, Any]] = []
     if req.system:
         messages.append({"role": "system", "content": _text(req.system, "system")})

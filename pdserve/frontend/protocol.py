@@ -475,6 +475,7 @@ class MessagesRequest(BaseModel):
     output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema"}}; effort: unused
     thinking: dict[str, Any] | None = None
     metadata: dict[str, Any] | None = None
+    mcp_servers: list[dict[str, Any]] | None = None  # the MCP connector: refused (servers pdserve does not run)
     cache_salt: str | None = None  # vLLM's, as on chat (in the SDK's `extra_body`)
     priority: int = 0              # vLLM's, as on chat
 
