@@ -12,6 +12,7 @@ prompt length) are done later, in ``params`` and ``prompts``.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -48,12 +49,40 @@ def check_tool(tool: Any, i: int) -> None:
         raise ValueError(f"tools[{i}]: function.parameters must be a JSON Schema object")
 
 
-def named_function(choice: dict[str, Any]) -> str:
-    """The name in {"type": "function", "function": {"name": …}}; ValueError for other shapes."""
+@dataclass(frozen=True)
+class ToolChoice:
+    """A chat `tool_choice`, read. `mode`: "none", "auto" or "required". `function`: the function
+    it names (exactly one call to it). `allowed` (OpenAI's `allowed_tools`): the only functions the
+    model may call, and with "required" must; every tool stays in the prompt, so a conversation
+    that narrows its tools from turn to turn keeps its cached prefix."""
+
+    mode: ToolChoiceName
+    function: str | None = None
+    allowed: tuple[str, ...] | None = None
+
+    @classmethod
+    def of(cls, choice: ToolChoiceName | dict[str, Any]) -> ToolChoice:
+        """ValueError for a shape other than OpenAI's four."""
+        if isinstance(choice, str):
+            return cls(choice)
+        if choice.get("type") == "function" and (name := _function_name(choice)) is not None:
+            return cls("required", function=name)
+        body = choice.get("allowed_tools")
+        if choice.get("type") == "allowed_tools" and isinstance(body, dict) and body.get("mode") in ("auto", "required"):
+            tools = body.get("tools")
+            names = [_function_name(t) if isinstance(t, dict) else None for t in tools] if isinstance(tools, list) else []
+            if names and None not in names:
+                return cls(body["mode"], allowed=tuple(str(n) for n in names))
+        raise ValueError('tool_choice must be "none", "auto", "required", {"type": "function", "function": '
+                         '{"name": …}} or {"type": "allowed_tools", "allowed_tools": {"mode": "auto" | '
+                         '"required", "tools": [{"type": "function", "function": {"name": …}}, …]}}')
+
+
+def _function_name(choice: dict[str, Any]) -> str | None:
+    """The name in {"type": "function", "function": {"name": …}}; None for other shapes."""
     fn = choice.get("function")
     if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-        raise ValueError('tool_choice must be "none", "auto", "required" or '
-                         '{"type": "function", "function": {"name": …}}')
+        return None
     return str(fn["name"])
 
 
@@ -313,7 +342,7 @@ class ChatCompletionRequest(GenerationFields):
     @classmethod
     def _tool_choice(cls, v: ToolChoiceName | dict[str, Any] | None) -> ToolChoiceName | dict[str, Any] | None:
         if isinstance(v, dict):
-            named_function(v)
+            ToolChoice.of(v)
         return v
 
     @model_validator(mode="after")
@@ -332,12 +361,13 @@ class ChatCompletionRequest(GenerationFields):
         if choice in (None, "none", "auto"):
             return
         names = [t["function"]["name"] for t in self.tools or ()]
+        read = ToolChoice.of(choice)
         if not names:
-            shown = choice if isinstance(choice, str) else "a named function"
+            shown = choice if isinstance(choice, str) else "a named function" if read.function else "allowed_tools"
             raise ValueError(f"tool_choice {shown!r} needs a non-empty tools list")
-        if isinstance(choice, dict) and named_function(choice) not in names:
-            raise ValueError(f"tool_choice names function {named_function(choice)!r}, which is not in "
-                             f"tools ({', '.join(names)})")
+        unknown = [n for n in read.allowed or (read.function,) if n is not None and n not in names]
+        if unknown:
+            raise ValueError(f"tool_choice names function {unknown[0]!r}, which is not in tools ({', '.join(names)})")
 
     @property
     def output_limit(self) -> int | None:

@@ -173,7 +173,7 @@ async def create_chat_completion(s: Serving, req: ChatCompletionRequest, call: C
         text = s.output.decoder(spec.prompt_ids, stop, policy, stop_ids, req.include_stop_str_in_output,
                                 req.skip_special_tokens)
         if calls:  # or an answer in response_format
-            names = [t["function"]["name"] for t in policy.prompt_tools or []]
+            names = [t["function"]["name"] for t in policy.callable_tools]
             return CallOrAnswerDecoder(s.tokenizer, call_openers(names, policy.parallel), text)
         return text
 

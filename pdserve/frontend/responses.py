@@ -178,12 +178,20 @@ def _chat_tool(tool: Any, where: str) -> dict[str, Any]:
 
 
 def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """The Responses shapes (`{"type": "function", "name"}`, `{"type": "allowed_tools", "mode",
+    "tools": [{"type": "function", "name"}, …]}`) in chat's."""
     if not isinstance(choice, dict):
         return choice
-    if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
-        raise invalid('tool_choice must be "none", "auto", "required" or {"type": "function", "name": …}',
-                      "tool_choice")
-    return {"type": "function", "function": {"name": choice["name"]}}
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    tools = choice.get("tools")
+    if choice.get("type") == "allowed_tools" and isinstance(tools, list) and all(
+            isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str) for t in tools):
+        return {"type": "allowed_tools", "allowed_tools": {
+            "mode": choice.get("mode"), "tools": [{"type": "function", "function": {"name": t["name"]}} for t in tools]}}
+    raise invalid('tool_choice must be "none", "auto", "required", {"type": "function", "name": …} or '
+                  '{"type": "allowed_tools", "mode": "auto" | "required", "tools": [{"type": "function", '
+                  '"name": …}, …]}', "tool_choice")
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:

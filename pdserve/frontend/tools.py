@@ -6,6 +6,9 @@ end of a choice.
   mode EMIT) only when the request has tools and `tool_choice` is not "none"; otherwise they
   are parsed and swallowed (SUPPRESS), so markup never reaches `content`.
 * `tool_choice: "none"` also leaves the tools out of the prompt, so the model answers in text.
+* A named function or `allowed_tools` narrows the calls to those functions (`callable_tools`:
+  the grammar's, and the parser drops calls to others) but not the prompt, which shows every
+  tool: a conversation that narrows its tools keeps its cached prefix.
 * `"required"` and a named function are enforced by grammar-constrained decoding:
   * on a model with a call syntax of its own (DSML, DeepSeek V3/V3.1, GLM, Hermes), by a
     grammar of that syntax (`pdserve.structured.tool_grammars`) whose arguments follow the
@@ -43,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdserve.frontend.errors import APIError, invalid
-from pdserve.frontend.protocol import ChatCompletionRequest, GenerationFields, named_function
+from pdserve.frontend.protocol import ChatCompletionRequest, GenerationFields, ToolChoice
 from pdserve.parsers import Format, ParamSchema, Profile, ToolsMode, prompt_opens_reasoning, tool_schemas
 from pdserve.parsers.options import ParserOptions
 from pdserve.structured import GrammarKind, GrammarObserver, Grammars, GrammarSpec
@@ -60,6 +63,7 @@ class ToolPolicy:
     emit: bool                 # calls are shown to the client
     required: bool             # the choice must end with at least one complete call
     function: str | None       # tool_choice named this function
+    allowed: frozenset[str] | None  # the only functions the model may call (named, or allowed_tools)
     parallel: bool
     separate_reasoning: bool
     # The request's parameter schemas: string values the model wrote take their schema's type.
@@ -70,10 +74,11 @@ class ToolPolicy:
     @classmethod
     def of(cls, req: ChatCompletionRequest) -> ToolPolicy:
         tools = list(req.tools or [])
-        choice = req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none")
-        emit = bool(tools) and choice != "none"
-        function = named_function(choice) if isinstance(choice, dict) else None
-        required = choice == "required" or function is not None
+        choice = ToolChoice.of(req.tool_choice if req.tool_choice is not None else ("auto" if tools else "none"))
+        emit = bool(tools) and choice.mode != "none"
+        function = choice.function
+        required = choice.mode == "required"
+        allowed = frozenset(choice.allowed or (function,)) if choice.allowed or function else None
         answer = None
         if emit and not required:
             try:
@@ -81,7 +86,7 @@ class ToolPolicy:
             except SpecError:  # output_constraint answers it with a 400
                 pass
         return cls(prompt_tools=tools if emit else None, emit=emit, required=required, function=function,
-                   parallel=req.parallel_tool_calls is not False, separate_reasoning=req.separate_reasoning,
+                   allowed=allowed, parallel=req.parallel_tool_calls is not False, separate_reasoning=req.separate_reasoning,
                    schemas=tool_schemas(tools) if emit else {}, answer=answer)
 
     def call_grammar(self, profile: Profile, model_opens_reasoning: bool = False) -> GrammarSpec | None:
@@ -91,27 +96,33 @@ class ToolPolicy:
         with a call syntax, free text whose calls follow their schemas. None when nothing is
         enforced. A 400 naming tool_choice when the tools cannot be written in the model's
         syntax."""
-        if not self.prompt_tools:
+        tools = self.callable_tools
+        if not tools:
             return None
-        strict = tools_strict(self.prompt_tools, self.function)
+        strict = tools_strict(tools, self.function)
         # "auto" without a response_format: a call is optional; with every tool strict, calls in
         # the model's own syntax are still held to their schemas (free text around them)
         optional = not self.required and self.answer is None
         if optional and (not strict or profile.format is Format.PLAIN):
             return None
         if profile.format is Format.PLAIN:
-            schema = tool_call_schema(self.prompt_tools, self.function, self.parallel)
+            schema = tool_call_schema(tools, self.function, self.parallel)
             if self.answer is not None:
                 schema = {"anyOf": [schema, json.loads(self.answer.value)]}
                 strict = strict and self.answer.strict
             return GrammarSpec(GrammarKind.JSON_SCHEMA, json.dumps(schema, separators=(",", ":")), strict=strict)
         try:
-            lark = call_syntax_grammar(profile, self.prompt_tools, self.function, self.parallel,
+            lark = call_syntax_grammar(profile, tools, self.function, self.parallel,
                                        model_opens_reasoning, optional, self.answer)
         except ToolGrammarError as e:
             raise invalid(f"tool_choice cannot be enforced in {profile.name}'s tool-call syntax: {e}",
                           "tool_choice") from None
         return GrammarSpec(GrammarKind.GRAMMAR, lark, strict=strict)
+
+    @property
+    def callable_tools(self) -> list[dict[str, Any]]:
+        """The tools the model may call: the prompt's, narrowed by a named function or allowed_tools."""
+        return [t for t in self.prompt_tools or () if self.allowed is None or t["function"]["name"] in self.allowed]
 
     def parser_options(self, profile: Profile, prompt_ids: Sequence[int], stop_ids: frozenset[int],
                        call_id_prefix: str) -> ParserOptions:
@@ -122,8 +133,8 @@ class ToolPolicy:
             start_in_reasoning=prompt_opens_reasoning(profile, prompt_ids),
             call_id_prefix=call_id_prefix,
             stop_ids=stop_ids,
-            known_tools=frozenset([self.function]) if self.function is not None else None,
-            drop_unknown_tools=self.function is not None,
+            known_tools=self.allowed,
+            drop_unknown_tools=self.allowed is not None,
             schemas=self.schemas,
         )
 
@@ -131,9 +142,13 @@ class ToolPolicy:
         """At the end of a choice: raise the error object when tool_choice was not satisfied."""
         if not self.required or finish_reason != "stop" or complete_calls:
             return
-        wanted = f"function {self.function!r}" if self.function else "a tool"
-        choice = f'{{"type": "function", "function": {{"name": "{self.function}"}}}}' if self.function \
-            else '"required"'
+        if self.function:
+            wanted = f"function {self.function!r}"
+            choice = f'{{"type": "function", "function": {{"name": "{self.function}"}}}}'
+        elif self.allowed:
+            wanted, choice = f"one of {', '.join(map(repr, sorted(self.allowed)))}", '{"type": "allowed_tools", …}'
+        else:
+            wanted, choice = "a tool", '"required"'
         other = f" (it called {', '.join(repr(n) for n in swallowed)} instead)" if swallowed else ""
         raise APIError(f"tool_choice {choice} was not satisfied: the model finished without calling {wanted}"
                        f"{other}: the output ended before the calls the grammar enforces (a reasoning section "

@@ -141,6 +141,10 @@ def bad_input_cases(max_body: int) -> list[Case]:
              param="tools[0]"),
         Case("responses_tool_choice_unknown_function", RESPONSES,
              body=response(tools=[WEATHER], tool_choice={"type": "function", "name": "get_time"})),
+        Case("responses_allowed_tools_unknown_function", RESPONSES, body=response(tools=[WEATHER], tool_choice={
+            "type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_time"}]})),
+        Case("responses_allowed_tools_malformed", RESPONSES, body=response(tools=[WEATHER], tool_choice={
+            "type": "allowed_tools", "mode": "auto", "tools": [{"name": "get_weather"}]}), param="tool_choice"),
         Case("responses_over_context", RESPONSES, body=response(input=long_text), code="context_length_exceeded",
              param="input"),
         Case("oversize_body", CHAT, body=chat(padding="x" * (max_body + 1)), status=413,

@@ -107,12 +107,23 @@ def plain(body: dict[str, Any]) -> dict[str, Any]:
 # ---- the request fields ----------------------------------------------------------------------
 
 
+ALLOWED_TIME = {"type": "allowed_tools", "allowed_tools": {
+    "mode": "required", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}
+
+
 @pytest.mark.parametrize("fields, message", [
     ({"tool_choice": "required"}, "needs a non-empty tools list"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "needs a non-empty tools list"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
     ({"tools": TOOLS, "tool_choice": {"type": "custom", "custom": {"name": "x"}}}, "tool_choice must be"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "Input should be"),
+    ({"tool_choice": ALLOWED_TIME}, "needs a non-empty tools list"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]}}}, "not in tools"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}},
+     "tool_choice must be"),
+    ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {
+        "mode": "sometimes", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}}, "tool_choice must be"),
     ({"tools": [{"type": "function", "function": {"name": 'say "hi"'}}]}, "function.name must be"),
     ({"tools": [{"type": "code_interpreter"}]}, "only tools of type 'function'"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "JSON Schema object"),
@@ -132,6 +143,9 @@ def test_policy_emits_calls_only_with_tools_and_a_choice_other_than_none() -> No
     assert not none.emit and none.prompt_tools is None  # the prompt has no tools either
     named = ToolPolicy.of(request(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}))
     assert named.required and named.function == "get_time"
+    allowed = ToolPolicy.of(request(tools=TOOLS, tool_choice=ALLOWED_TIME))
+    assert (allowed.required, allowed.function, allowed.allowed) == (True, None, {"get_time"})
+    assert allowed.prompt_tools == TOOLS and [t["function"]["name"] for t in allowed.callable_tools] == ["get_time"]
     assert ToolPolicy.of(request(tools=TOOLS, parallel_tool_calls=None)).parallel
     assert not ToolPolicy.of(request(tools=TOOLS, parallel_tool_calls=False)).parallel
 
@@ -147,7 +161,7 @@ def test_policy_parser_options(model: Model) -> None:
         is ToolsMode.SUPPRESS
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_time"}}, ALLOWED_TIME])
 def test_required_and_named_choices_fail_only_when_the_model_stopped_without_a_call(choice) -> None:
     policy = ToolPolicy.of(request(tools=TOOLS, tool_choice=choice))
     policy.check("tool_calls", 1, [])

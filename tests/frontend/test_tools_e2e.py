@@ -307,6 +307,32 @@ def test_a_named_function_the_model_would_not_call_is_the_one_called(served: Ser
     assert_forced_calls(result, [EXTRA_TOOL], ["get_news"])
 
 
+def allowed_tools(mode: str, names: list[str]) -> dict[str, Any]:
+    return {"type": "allowed_tools", "allowed_tools": {
+        "mode": mode, "tools": [{"type": "function", "function": {"name": n}} for n in names]}}
+
+
+@pytest.mark.timeout(TIMEOUT)
+def test_allowed_tools_narrow_the_calls_and_keep_every_tool_in_the_prompt(served: Served) -> None:
+    """OpenAI's allowed_tools: the model may call only the allowed functions ("required": must
+    call one), while the prompt shows every tool, so it is the same prompt, cached prefix and
+    all, whichever tools a turn allows."""
+    result = both(served, tools=TOOLS, tool_choice=allowed_tools("auto", ["get_time"]))
+    assert (parsed_calls(result), result["finish_reason"]) == ([CALLS[1]], "tool_calls")  # get_weather's is dropped
+    assert (result["reasoning"], result["content"]) == (REASONING, CONTENT)
+    result = both(served, tools=[*TOOLS, EXTRA_TOOL], tool_choice=allowed_tools("required", ["get_news"]),
+                  parallel_tool_calls=False)
+    assert parsed_calls(result) == [("get_news", {})]
+    assert_forced_calls(result, [EXTRA_TOOL], ["get_news"])
+
+    def prompt_tokens(tools: list[dict[str, Any]], choice: Any) -> int:
+        return post(served, tools=tools, tool_choice=choice, max_tokens=1)["usage"]["prompt_tokens"]
+
+    everything = prompt_tokens(TOOLS, "required")
+    assert prompt_tokens(TOOLS, allowed_tools("required", ["get_time"])) == everything
+    assert prompt_tokens([TOOLS[1]], "required") < everything
+
+
 @pytest.mark.timeout(TIMEOUT)
 @pytest.mark.parametrize("served", ["v4", "glm", "qwen"], indirect=True)  # V3.2's script writes days as a string
 def test_auto_with_strict_tools_leaves_valid_calls_and_text_as_they_are(served: Served) -> None:
