@@ -68,10 +68,9 @@ class ToolChoice:
         if choice.get("type") == "function" and (name := _function_name(choice)) is not None:
             return cls("required", function=name)
         body = choice.get("allowed_tools")
-        if choice.get("type") == "allowed_tools" and isinstance(body, dict) and body.get("mode") in ("auto", "required"):
-            tools = body.get("tools")
-            names = [_function_name(t) if isinstance(t, dict) else None for t in tools] if isinstance(tools, list) else []
-            if names and None not in names:
+        if choice.get("type") == "allowed_tools" and isinstance(body, dict) and isinstance(body.get("tools"), list):
+            names = [_function_name(t) if isinstance(t, dict) else None for t in body["tools"]]
+            if body.get("mode") in ("auto", "required") and names and None not in names:
                 return cls(body["mode"], allowed=tuple(str(n) for n in names))
         raise ValueError('tool_choice must be "none", "auto", "required", {"type": "function", "function": '
                          '{"name": …}} or {"type": "allowed_tools", "allowed_tools": {"mode": "auto" | '

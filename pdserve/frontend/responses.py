@@ -187,8 +187,8 @@ def _chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, An
     tools = choice.get("tools")
     if choice.get("type") == "allowed_tools" and isinstance(tools, list) and all(
             isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("name"), str) for t in tools):
-        return {"type": "allowed_tools", "allowed_tools": {
-            "mode": choice.get("mode"), "tools": [{"type": "function", "function": {"name": t["name"]}} for t in tools]}}
+        named = [{"type": "function", "function": {"name": t["name"]}} for t in tools]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode"), "tools": named}}
     raise invalid('tool_choice must be "none", "auto", "required", {"type": "function", "name": …} or '
                   '{"type": "allowed_tools", "mode": "auto" | "required", "tools": [{"type": "function", '
                   '"name": …}, …]}', "tool_choice")

@@ -78,7 +78,7 @@ class ToolPolicy:
         emit = bool(tools) and choice.mode != "none"
         function = choice.function
         required = choice.mode == "required"
-        allowed = frozenset(choice.allowed or (function,)) if choice.allowed or function else None
+        narrowed = choice.allowed or ((function,) if function else ())
         answer = None
         if emit and not required:
             try:
@@ -86,8 +86,9 @@ class ToolPolicy:
             except SpecError:  # output_constraint answers it with a 400
                 pass
         return cls(prompt_tools=tools if emit else None, emit=emit, required=required, function=function,
-                   allowed=allowed, parallel=req.parallel_tool_calls is not False, separate_reasoning=req.separate_reasoning,
-                   schemas=tool_schemas(tools) if emit else {}, answer=answer)
+                   allowed=frozenset(narrowed) if narrowed else None, parallel=req.parallel_tool_calls is not False,
+                   separate_reasoning=req.separate_reasoning, schemas=tool_schemas(tools) if emit else {},
+                   answer=answer)
 
     def call_grammar(self, profile: Profile, model_opens_reasoning: bool = False) -> GrammarSpec | None:
         """The grammar enforcing `"required"` or a named function: the model's own call syntax,

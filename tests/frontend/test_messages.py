@@ -99,8 +99,8 @@ def test_a_final_assistant_text_is_a_prefill_the_model_continues():
     ({"messages": [{"role": "user", "content": "x"}], "stop_sequences": [f"s{i}" for i in range(17)]},
      "stop_sequences"),
     ({"messages": [{"role": "user", "content": "x"}], "thinking": {"type": "sometimes"}}, "thinking.type"),
-    ({"messages": [{"role": "user", "content": "x"}], "mcp_servers": [{"type": "url", "url": "https://m", "name": "m"}]},
-     "mcp_servers"),
+    ({"messages": [{"role": "user", "content": "x"}],
+      "mcp_servers": [{"type": "url", "url": "https://m", "name": "m"}]}, "mcp_servers"),
     ({"messages": [{"role": "user", "content": "x"}], "output_config": {"effort": "extreme"}}, "output_config.effort"),
 ])
 def test_what_cannot_be_expressed_is_refused_with_its_field(body, param):

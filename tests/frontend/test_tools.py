@@ -123,7 +123,8 @@ ALLOWED_TIME = {"type": "allowed_tools", "allowed_tools": {
     ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}}},
      "tool_choice must be"),
     ({"tools": TOOLS, "tool_choice": {"type": "allowed_tools", "allowed_tools": {
-        "mode": "sometimes", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}}, "tool_choice must be"),
+        "mode": "sometimes", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}},
+     "tool_choice must be"),
     ({"tools": [{"type": "function", "function": {"name": 'say "hi"'}}]}, "function.name must be"),
     ({"tools": [{"type": "code_interpreter"}]}, "only tools of type 'function'"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "JSON Schema object"),
