@@ -290,9 +290,11 @@ class ChatCompletionRequest(GenerationFields):
     chat_template_kwargs: dict[str, Any] | None = None
     # OpenAI's, and DeepSeek's "max": the template's `reasoning_effort` unless chat_template_kwargs set it
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
-    # Asked for to be refused, not ignored: audio output, and the function calling that tools replaced
+    # Asked for to be refused, not ignored: audio output, web search, and the function calling that
+    # tools replaced
     modalities: list[str] | None = None
     audio: dict[str, Any] | None = None
+    web_search_options: dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
@@ -327,6 +329,13 @@ class ChatCompletionRequest(GenerationFields):
     def _no_audio(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
         if v is not None:
             raise ValueError("audio output is not supported")
+        return v
+
+    @field_validator("web_search_options")
+    @classmethod
+    def _no_web_search(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None:
+            raise ValueError("web search is not supported: search in the client and send the results")
         return v
 
     @field_validator("functions", "function_call")

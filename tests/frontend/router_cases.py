@@ -88,6 +88,7 @@ def bad_input_cases(max_body: int) -> list[Case]:
         Case("cache_salt_empty", CHAT, body=chat(cache_salt=""), param="cache_salt"),
         Case("audio_modality", CHAT, body=chat(modalities=["text", "audio"]), param="modalities"),
         Case("audio_output", CHAT, body=chat(audio={"voice": "alloy", "format": "wav"}), param="audio"),
+        Case("web_search", CHAT, body=chat(web_search_options={}), param="web_search_options"),
         Case("legacy_functions", CHAT, body=chat(functions=[{"name": "f", "parameters": {}}]), param="functions"),
         Case("legacy_function_call", CHAT, body=chat(function_call={"name": "f"}), param="function_call"),
         Case("priority_without_the_priority_policy", CHAT, body=chat(priority=1), param="priority"),

@@ -54,6 +54,7 @@ DELIBERATE = {
     "more than 16 stop sequences": r"stop sequences are allowed",
     "min_tokens over max_tokens": r"min_tokens",
     "audio output": r"only text output is supported|audio output is not supported",
+    "web search": r"web search is not supported",
     "functions and function_call (deprecated)": r"functions and function_call \(deprecated by OpenAI\)",
     "an output budget under one token":
         r"^(max_tokens|max_completion_tokens): Input should be greater than or equal to 1",
