@@ -15,7 +15,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from pdserve.frontend.errors import invalid, validation_message
 
@@ -271,6 +272,11 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+# Chat fields whose mere presence asks for what pdserve does not do, and what it says instead.
+_UNSUPPORTED = {"audio": "audio output is not supported",
+                "web_search_options": "web search is not supported: search in the client and send the results"}
+
+
 class ChatCompletionRequest(GenerationFields):
     """POST /v1/chat/completions; also what a Responses or Messages request becomes (`converted`)."""
 
@@ -324,18 +330,11 @@ class ChatCompletionRequest(GenerationFields):
             raise ValueError(f"only text output is supported, got modalities {v}")
         return v
 
-    @field_validator("audio")
+    @field_validator("audio", "web_search_options")
     @classmethod
-    def _no_audio(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _unsupported(cls, v: dict[str, Any] | None, info: ValidationInfo) -> dict[str, Any] | None:
         if v is not None:
-            raise ValueError("audio output is not supported")
-        return v
-
-    @field_validator("web_search_options")
-    @classmethod
-    def _no_web_search(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        if v is not None:
-            raise ValueError("web search is not supported: search in the client and send the results")
+            raise ValueError(_UNSUPPORTED[info.field_name or ""])
         return v
 
     @field_validator("functions", "function_call")
