@@ -91,7 +91,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         prefix_cache=getattr(args, "prefix_cache", True),
                         host_cache_memory=getattr(args, "host_cache_memory", 0) or 0,
                         overlap=getattr(args, "overlap", False),
-                        cuda_graphs=getattr(args, "cuda_graphs", True))
+                        cuda_graphs=getattr(args, "cuda_graphs", True),
+                        follow_up_wait_ms=getattr(args, "follow_up_wait_ms", 0.0))
 
 
 def _default_threads(args: argparse.Namespace) -> int:

@@ -234,7 +234,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = []
     for name in ("tp", "dtype", "device", "block_size", "kv_cache_memory", "max_num_seqs",
                  "max_num_batched_tokens", "max_prefill_tokens", "first_token_slack", "max_model_len", "threads",
-                 "index_cache_dtype", "kv_cache_dtype", "kernels", "quantization", "host_cache_memory"):
+                 "index_cache_dtype", "kv_cache_dtype", "kernels", "quantization", "host_cache_memory",
+                 "follow_up_wait_ms"):
         value = getattr(args, name, None)
         if value is not None:
             flags += [f"--{name.replace('_', '-')}", str(value)]
@@ -609,6 +610,9 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
                    help="the GPU workers run every step op by op (no CUDA graphs; docs/gpu.md)")
     e.add_argument("--host-cache-memory", default=None,
                    help="host memory per worker rank for evicted cached KV blocks, e.g. 1GiB")
+    e.add_argument("--follow-up-wait-ms", type=float, default=None, metavar="MS",
+                   help="the workers wait up to MS after a finished request for its next turn before "
+                        "running decodes alone (default: 20 on a CPU, 0 on a GPU; docs/follow-ups.md)")
     e.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for every worker command line (repeatable), "
                         "e.g. --worker-arg=--health-stall-timeout=30")

@@ -32,6 +32,7 @@ ADMISSION_REJECTIONS = ("queue_full", "queue_timeout", "too_large", "no_worker")
 ROUTING_REASONS = ("prefix", "balance", "load")  # pdserve.frontend.routing.Reason
 CACHE_QUERY_OUTCOMES = ("answered", "unanswered")  # pdserve.frontend.routing.CacheAwareRouter.ask
 ABORT_ORIGINS = ("client", "router", "peer", "timeout", "drain")
+FOLLOW_UP_OUTCOMES = ("woken", "expired")  # how a wait for a finished request's next turn ended
 OTHER = "other"
 
 # Bucket edges in seconds. Latencies a user sees span 1 ms (a cached short prompt) to many
@@ -184,6 +185,11 @@ class WorkerMetrics(_Base):
             "prefix_cache_forgotten_blocks", "Cached device blocks forgotten by POST /reset_prefix_cache.")
         self.num_preemptions = self._counter(
             "num_preemptions", "Running requests preempted (their KV dropped, recomputed later).")
+        self.follow_up_waits = self._counter(
+            "follow_up_waits", "Steps that waited for a finished request's next turn, by how the wait "
+            "ended: woken (a request or an abort came) or expired.", "outcome", FOLLOW_UP_OUTCOMES)
+        self.follow_up_wait_time = self._counter(
+            "follow_up_wait_seconds", "Time the loop waited for finished requests' next turns.")
         self._scheduler_totals: dict[str, int] = {}
         self.scheduler_step_time = self._histogram(
             "scheduler_step_seconds", "Time of one scheduler iteration (observe to apply).",
@@ -245,6 +251,10 @@ class WorkerMetrics(_Base):
                                    (self.num_preemptions, "preemptions", preemptions)):
             metric.inc(max(total - self._scheduler_totals.get(key, 0), 0))
             self._scheduler_totals[key] = total
+
+    def follow_up_waited(self, seconds: float, woken: bool) -> None:
+        self._inc(self.follow_up_waits, "outcome", "woken" if woken else "expired", FOLLOW_UP_OUTCOMES)
+        self.follow_up_wait_time.inc(seconds)
 
     def scheduler_step(self, step_s: float, agree_s: float) -> None:
         self.scheduler_step_time.observe(step_s)

@@ -34,6 +34,9 @@ class EngineConfig:
     host_cache_memory: int = 0          # bytes of host memory for evicted cached blocks (0: no second tier)
     overlap: bool = False               # plan step N+1 while step N's forward runs (docs/overlap.md)
     cuda_graphs: bool = True            # on CUDA, steps replay captured graphs (docs/gpu.md)
+    # a server's longest wait for a finished request's next turn before decode-only steps
+    # (docs/follow-ups.md); 0: never (the offline engine); None: auto (follow_up_wait)
+    follow_up_wait_ms: float | None = 0.0
 
     def prefill_budget(self) -> int | None:
         """Prompt tokens a step may compute beside a token it samples (a decode's, a prompt's
@@ -62,6 +65,19 @@ class EngineConfig:
             return self.first_token_slack
         return CPU_FIRST_TOKEN_SLACK if self.device.startswith("cpu") else None
 
+    def follow_up_wait(self) -> float:
+        """Seconds a step may wait for a finished request's follow-up (scheduler/follow_ups.py).
+
+        Unset: CPU_FOLLOW_UP_WAIT_MS on a CPU, where a turn's prompt step is several decode steps
+        long, so a turn that queues behind another's waits for most of one; none on a GPU, where
+        those steps are short and a wait would cost the decode streams more than it saves."""
+        ms = self.follow_up_wait_ms
+        if ms is None:
+            ms = CPU_FOLLOW_UP_WAIT_MS if self.device.startswith("cpu") else 0.0
+        if ms < 0:
+            raise ValueError(f"follow_up_wait_ms must be at least 0, not {ms}")
+        return ms / 1000
+
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
             return torch.float32 if self.device == "cpu" else torch.bfloat16
@@ -85,6 +101,9 @@ class EngineConfig:
 
 CPU_PREFILL_TOKENS = 256  # prompt tokens beside a sampled token, by default on a CPU (docs/step-budget.md)
 CPU_FIRST_TOKEN_SLACK = 16  # prompt tokens after a prompt's last chunk, by default on a CPU (the same)
+# a server's wait for a follow-up, by default on a CPU: a turn comes back through the router and
+# its client in 5-13 ms on loopback (docs/follow-ups.md)
+CPU_FOLLOW_UP_WAIT_MS = 20.0
 # The least an automatic KV pool gets (per rank): 1 GiB holds 32 streams of the default model at
 # ~700 tokens each; at 256 MiB (360 with the context) 32 streams of ~330 tokens already preempted
 # each other, and the recomputes made the 32-stream ITL p99 (docs/step-budget.md).

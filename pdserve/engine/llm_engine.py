@@ -22,6 +22,7 @@ from pdserve.kvcache import BlockAllocator, BlockHash, HostTier, KVPool, salt_of
 from pdserve.layers.dsa import INDEX_DTYPES
 from pdserve.models import eos_token_ids, load_model, multiplies_natively, read_config
 from pdserve.scheduler import Inbox, NewRequest, Scheduler, SchedulerConfig, StepOutput, StepPlan
+from pdserve.scheduler.follow_ups import FollowUps
 from pdserve.scheduler.lockstep import LockstepLoop
 from pdserve.scheduler.plan import KVPeer, PeerDeadRooms
 from pdserve.scheduler.recent import RecentIds
@@ -128,6 +129,9 @@ class LLMEngine:
         # agents' tombstones are per rank and per room, and an abort must win over a late add
         # of a request that never had a room (colocated workers have no agent at all).
         self._aborted = RecentIds(ttl_s=ABORT_TOMBSTONE_TTL_S)
+        # rank 0: how soon new requests follow finished ones (a server's; the offline engine waits for none)
+        self.follow_ups = FollowUps(config.follow_up_wait())
+        self._prompts: dict[str, list[int]] = {}  # rank 0, with a wait: admitted requests' prompts
 
     def attach_link(self, link) -> None:
         """Use a transfer link (`KVLink`, or a test's wrapper of one) in the lockstep loop."""
@@ -233,14 +237,42 @@ class LLMEngine:
         ranks only follow the plan. Returns the plan and what requests produced."""
         inbox = self._drain() if self.rank == 0 else Inbox()
         inbox.shutdown = shutdown
+        if self.rank == 0:
+            inbox.follow_up_wait = self._follow_up_wait(inbox)
         forgotten = self.allocator.num_forgotten
         plan, outputs = self.loop.step(inbox)
+        if self.rank == 0:
+            self._observe_finishes(plan, outputs)
         resets, self._resets = self._resets, []
         for done in resets:  # the plan that carried them is applied
             done.set_result(self.allocator.num_forgotten - forgotten)
         for req in plan.deferred:  # a decode room waits for blocks; try again next step
             self._inbox.put(req)
         return plan, outputs
+
+    def _follow_up_wait(self, inbox: Inbox) -> float:
+        """How long this step may wait for a finished request's next turn (scheduler/follow_ups.py),
+        once the new prompts here have been seen to follow earlier finishes or not."""
+        if not self.follow_ups.window_s:
+            return 0.0
+        for req in inbox.new:
+            if req.kv is KVRole.LOCAL:
+                self.follow_ups.arrived(req.prompt_ids, req.arrival)
+        return self.follow_ups.wait(time.monotonic())
+
+    def _observe_finishes(self, plan: StepPlan, outputs: list[StepOutput]) -> None:
+        """This step's finishes wait for their next turns; admitted prompts may finish later."""
+        if not self.follow_ups.window_s:
+            return
+        for req in plan.admitted:
+            self._prompts[req.request_id] = req.prompt_ids
+        for out in outputs:
+            if out.finish_reason is not None and (prompt := self._prompts.pop(out.request_id, None)):
+                if out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+                    self.follow_ups.finished(prompt, self.loop.emitted_at, waited=plan.follow_up_wait > 0)
+
+    def inbox_empty(self) -> bool:
+        return self._inbox.empty()
 
     def waits(self, plan: StepPlan) -> bool:
         """The next step has nothing to do until something comes from outside (a request, an

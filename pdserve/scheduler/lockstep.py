@@ -258,6 +258,7 @@ class LockstepLoop:
         # made them, before the forward runs, so a token reaches its client one forward sooner
         self.emit: Callable[[list[StepOutput]], None] | None = None
         self.output_s = 0.0
+        self.emitted_at = 0.0  # when the last step's outputs were handed out (time.monotonic)
         self.waiting_forward = threading.Event()  # set while the loop thread waits for a forward
         self._forward: ForwardThread | None = ForwardThread() if stage_batch else None
 
@@ -295,6 +296,7 @@ class LockstepLoop:
 
     def _emit(self, outputs: list[StepOutput]) -> None:
         self.output_s = 0.0
+        self.emitted_at = time.monotonic()
         if outputs and self.emit is not None:
             t0 = time.perf_counter()
             self.emit(outputs)

@@ -60,6 +60,9 @@ class Inbox:
     peer_dead: list[tuple[str, str]] = field(default_factory=list)  # (room, why): its peer worker died
     reset_cache: bool = False  # forget the prefix cache (POST /reset_prefix_cache)
     shutdown: bool = False
+    # rank 0 expects a finished request's next turn (follow_ups.py): a plan that hands out a last
+    # token and would run decodes alone may hold them back this long for it
+    follow_up_wait: float = 0.0
 
 
 @dataclass
@@ -127,6 +130,9 @@ class StepPlan:
     # last in `apply`, every rank forgets its prefix cache (`BlockAllocator.forget`): this step's
     # cache hits were taken already, later steps find nothing computed before
     reset_cache: bool = False
+    # rank 0 waits up to this long for a request before the next step; the batch is empty
+    # (Scheduler._holds_for_follow_up)
+    follow_up_wait: float = 0.0
 
     @property
     def idle(self) -> bool:

@@ -126,6 +126,7 @@ class _Ends:
     books: _Books
     gone: set[str] = field(default_factory=set)
     arrived: list[SampledToken] = field(default_factory=list)
+    finished: int = 0  # requests whose last token this step hands out (not a prefill's hand-off)
 
 
 @dataclass
@@ -216,7 +217,18 @@ class Scheduler:
         for_rooms = self._admit(plan, inbox, ends)
         plan.batch, plan.preempted = self._schedule(ends.gone, sampled, ends.arrived, plan.admitted,
                                                     ends.books, for_rooms)
+        if inbox.follow_up_wait and self._holds_for_follow_up(plan, ends):
+            plan.batch, plan.follow_up_wait = [], inbox.follow_up_wait
         return plan
+
+    def _holds_for_follow_up(self, plan: StepPlan, ends: _Ends) -> bool:
+        """The plan hands a request its last token and would run decodes alone (nothing new,
+        no prompt waiting or part-computed, no landed room): they can wait for that request's
+        next turn, which then runs in their step instead of queueing behind another's (follow_ups.py)."""
+        if not ends.finished or plan.admitted or plan.preempted or ends.arrived or self.waiting:
+            return False
+        rows = [self.seqs[c.request_id] for c in plan.batch]
+        return bool(rows) and all(seq.num_computed >= len(seq.prompt_ids) for seq in rows)
 
     def _end_sampled(self, ends: _Ends, sampled: list[SampledToken]) -> None:
         for s in sampled:
@@ -226,6 +238,7 @@ class Scheduler:
                 ends.gone.add(s.request_id)
                 if ended(reason) is SequenceStatus.FINISHED:
                     ends.books.release(seq.block_table)
+                    ends.finished += 1
 
     def _end_transfers(self, ends: _Ends, transfers: list[TransferOutcome]) -> None:
         """Held requests move as apply() will move them: by the same table (lifecycle.step)."""

@@ -181,6 +181,9 @@ class Worker:
         self.step_count += 1
         loop = self.engine.loop
         self.accounting.step(loop.step_s, loop.agree_s)
+        if plan.follow_up_wait:
+            self._await_follow_up(plan.follow_up_wait)
+            return
         busy = self.engine.has_work()
         if not busy or self.engine.waits(plan):
             quiet = not busy and not self._queues  # no HTTP call open: no transfer can be under way either
@@ -188,6 +191,14 @@ class Worker:
                 self._snapshot(now)  # /load and /metrics show the last step's state while it sleeps
             self._wake.wait(self._idle_tick if quiet else IDLE_WAIT_S)
             self._wake.clear()
+
+    def _await_follow_up(self, wait_s: float) -> None:
+        """The plan held its decodes back for a finished request's next turn: wait until the
+        inbox wakes the loop (a request, an abort) or `wait_s` passes (scheduler/follow_ups.py)."""
+        self._wake.clear()  # then look: a request queued before the clear is seen, one after it wakes us
+        t0 = time.monotonic()
+        woken = not self.engine.inbox_empty() or self._wake.wait(wait_s)
+        self.accounting.metrics.follow_up_waited(time.monotonic() - t0, woken)
 
     def _snapshot(self, now: float) -> None:
         self._snapshot_at = now

@@ -36,6 +36,8 @@ EXPECTED = {
     "kv_blocks_cached": "gauge", "prefix_cache_evictions": "counter", "host_cache_blocks_used": "gauge",
     "host_cache_blocks_total": "gauge", "host_cache_drops": "counter", "prefix_cache_forgotten_blocks": "counter",
     "num_preemptions": "counter",
+    # waits for a finished request's next turn (docs/follow-ups.md)
+    "follow_up_waits": "counter", "follow_up_wait_seconds": "counter",
     "parser_diagnostics": "counter",
     # structured outputs (issue 19)
     "grammar_cache_lookups": "counter", "grammar_compile_seconds": "histogram", "grammar_mask_seconds": "histogram",
@@ -98,6 +100,8 @@ def test_worker_counts_match_a_scripted_run() -> None:
     m.late_messages_dropped.inc(2)
     for _ in range(5):
         m.scheduler_step(0.003, 0.0004)
+    for seconds, woken in ((0.006, True), (0.009, True), (0.02, False)):
+        m.follow_up_waited(seconds, woken)
 
     f = families(m.render())
     assert value(f, "num_requests_running") == 3 and value(f, "num_requests_waiting") == 2
@@ -116,6 +120,9 @@ def test_worker_counts_match_a_scripted_run() -> None:
     aborts = {o: value(f, "aborts", "aborts_total", origin=o) for o in (*ABORT_ORIGINS, "other")}
     assert aborts == {"client": 0, "router": 1, "peer": 1, "timeout": 0, "drain": 0, "other": 1}
     assert value(f, "late_messages_dropped", "late_messages_dropped_total") == 2
+    waits = {o: value(f, "follow_up_waits", "follow_up_waits_total", outcome=o) for o in ("woken", "expired")}
+    assert waits == {"woken": 2, "expired": 1}
+    assert value(f, "follow_up_wait_seconds", "follow_up_wait_seconds_total") == pytest.approx(0.035)
     assert value(f, "scheduler_step_seconds", "scheduler_step_seconds_count") == 5
     assert value(f, "scheduler_agree_seconds", "scheduler_agree_seconds_bucket", le="0.0005") == 5
     for hist in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds"):
