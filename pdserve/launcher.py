@@ -611,8 +611,8 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     e.add_argument("--host-cache-memory", default=None,
                    help="host memory per worker rank for evicted cached KV blocks, e.g. 1GiB")
     e.add_argument("--follow-up-wait-ms", type=float, default=None, metavar="MS",
-                   help="the workers wait up to MS after a finished request for its next turn before "
-                        "running decodes alone (default: 20 on a CPU, 0 on a GPU; docs/follow-ups.md)")
+                   help="the workers wait up to MS after an answer for the conversation's next turn "
+                        "before a step of decodes alone (default: 20 on a CPU, 0 on a GPU; docs/follow-ups.md)")
     e.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for every worker command line (repeatable), "
                         "e.g. --worker-arg=--health-stall-timeout=30")

@@ -36,6 +36,11 @@ most `first_token_slack` more prompt tokens, so that prompts ready together get 
 tokens one after another. Running requests come first, then waiting prompts in order, each
 chunked to what is left.
 
+Follow-ups (`Inbox.follow_up_wait`, follow_ups.py): when rank 0 expects a finished request's
+next turn, a plan that hands out a last token and would run decodes alone holds them back (an
+empty batch, `StepPlan.follow_up_wait`); rank 0 waits for the turn before the next plan, so the
+turn runs beside those decodes instead of behind another session's prompt step.
+
 Overlap (`SchedulerConfig.overlap`, scheduler/lockstep.py): a plan is made while the previous
 step's forward still runs, so a request's newest token may not be known yet. `futures` counts,
 per request, the tokens a forward samples (or sampled) that no plan has delivered yet; a

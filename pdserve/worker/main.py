@@ -50,9 +50,10 @@ def add_worker_args(p: argparse.ArgumentParser) -> None:
                    help="how long ranks wait for each other at start-up (default: --collective-timeout; "
                         "machines that start at different times need more)")
     p.add_argument("--follow-up-wait-ms", type=float, default=None, metavar="MS",
-                   help="after a step that finishes a request, wait up to MS for new requests before "
-                        "running decodes alone, while finished requests are usually followed that soon "
-                        "(an agent's next turn; docs/follow-ups.md). Default: 20 on a CPU, 0 (off) on a GPU")
+                   help="after a step that hands a request its answer, wait up to MS for the "
+                        "conversation's next turn before a step of decodes alone, while most answers are "
+                        "followed that soon (an agent's next turn; docs/follow-ups.md). Default: 20 on a "
+                        "CPU, 0 (off) on a GPU")
     p.add_argument("--check-divergence", type=int, default=0, metavar="K",
                    help="every K steps, compare the TP ranks' scheduler-state digests and stop the "
                         "worker with an error naming the first differing field (0: off)")
