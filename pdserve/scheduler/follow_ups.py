@@ -15,7 +15,7 @@ chat template rewrites at the end) arrives soon enough: within the wait when the
 within twice the wait when it did not (a forward then holds the cores, which slows the turn's
 way back). Steps wait while the score, a moving average of followed finishes, says that most
 are followed. Requests that do not continue a finished one (independent clients) never count,
-so they never make a step wait.
+so with them the waits stop after a new worker's first three finishes.
 """
 from __future__ import annotations
 
